@@ -1,0 +1,365 @@
+"""The decoding loop: baseline, Medusa, Hydra and Hydra++ speculative decoding.
+
+`Engine` binds a transformers causal LM (shared, read-only; usable from several threads)
+and its draft heads. `Engine.generate` returns a `Generation`: one request's state (its own
+KV cache, random generator, scheduler instance) and an iterator that yields one `Step` per
+decoding step.
+
+A step: the root (the base model's next token, already decided) plus the heads' drafts form
+the tree; one forward verifies all of it; the acceptance rule walks the tree; the cache keeps
+the accepted nodes; the bonus token becomes the next root. Baseline decoding is the same loop
+with a root-only tree.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .acceptance import AcceptanceRule, Sampling, make_rule
+from .heads import DraftHeads, HeadRunner
+from .scheduler import Scheduler, StepSignals, as_scheduler
+from .trace import GenerationResult, Step
+from .trees import Tree
+from .verify import check_tree_support, forward, keep_cache_entries, max_context, tree_mask
+
+ROOT_ONLY = Tree.from_paths([], "root_only")
+
+
+class ContextError(ValueError):
+    """The prompt does not fit the model's context."""
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 128
+    sampling: Sampling = field(default_factory=Sampling)
+    rule: str = "auto"  # auto | greedy | sampling | typical
+    typical_epsilon: float = 0.09
+    typical_alpha: Optional[float] = 0.3
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: Optional[tuple[int, ...]] = None  # None: from the model / tokenizer
+    trace: str = "summary"  # "summary" (fast) or "full" (per-node texts and statistics)
+    seed: Optional[int] = None
+    on_long_prompt: str = "truncate"  # "truncate" (keep the end, add a notice) or "error"
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.trace not in ("summary", "full"):
+            raise ValueError("trace must be 'summary' or 'full'")
+        if self.on_long_prompt not in ("truncate", "error"):
+            raise ValueError("on_long_prompt must be 'truncate' or 'error'")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _entropy_prob(logits: torch.Tensor, token: int) -> tuple[float, float]:
+    lp = torch.log_softmax(logits.float(), -1)
+    return float(-(lp.exp() * lp).sum()), float(lp[token].exp())
+
+
+class Engine:
+    """A base model plus named draft heads ("medusa", "hydra", "hydra++", ...)."""
+
+    def __init__(self, model, tokenizer=None, heads: Optional[dict[str, DraftHeads]] = None):
+        check_tree_support(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_context = max_context(model)
+        self.runners: dict[str, HeadRunner] = {}
+        for name, h in (heads or {}).items():
+            self.add_heads(name, h)
+
+    def add_heads(self, name: str, heads: DraftHeads) -> None:
+        cfg = heads.config
+        emb = self.model.get_input_embeddings().weight
+        if cfg.hidden_size != emb.shape[1]:
+            raise ValueError(f"heads {name!r} were built for hidden size {cfg.hidden_size}, the model has {emb.shape[1]}")
+        if cfg.vocab_size != self.model.get_output_embeddings().weight.shape[0]:
+            raise ValueError(f"heads {name!r} were built for vocab size {cfg.vocab_size}, the model has {self.model.get_output_embeddings().weight.shape[0]}")
+        self.runners[name] = HeadRunner(heads, self.model)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            v = getattr(src, "eos_token_id", None) if src is not None else None
+            if v is None:
+                continue
+            ids.extend(v if isinstance(v, (list, tuple)) else [v])
+            break
+        return tuple(int(i) for i in ids)
+
+    def generate(self, input_ids: Sequence[int] | torch.Tensor, *, heads: Optional[str] = None,
+                 tree: Optional[Tree] = None, scheduler: Optional[Scheduler] = None,
+                 config: Optional[DecodeConfig] = None, rule: Optional[AcceptanceRule] = None) -> "Generation":
+        """Start one generation. heads=None means baseline (root-only tree, no drafting)."""
+        runner = None
+        if heads is not None:
+            if heads not in self.runners:
+                raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(self.runners) or 'none'})")
+            runner = self.runners[heads]
+        sched = as_scheduler(scheduler if scheduler is not None else tree)
+        if runner is None:
+            sched = None
+        elif sched is None:
+            raise ValueError("speculative decoding needs a tree or a scheduler")
+        return Generation(self, input_ids, runner, sched, config or DecodeConfig(), rule)
+
+    def run(self, *args, **kw) -> GenerationResult:
+        g = self.generate(*args, **kw)
+        for _ in g:
+            pass
+        return g.result
+
+
+class Generation:
+    """One request: owns its KV cache and state; iterate it to get `Step` records."""
+
+    def __init__(self, engine: Engine, input_ids, runner: Optional[HeadRunner], scheduler: Optional[Scheduler],
+                 config: DecodeConfig, rule: Optional[AcceptanceRule]):
+        self.engine, self.runner, self.config = engine, runner, config
+        self.scheduler = scheduler.fresh() if scheduler is not None else None
+        if self.scheduler is not None and runner is not None:
+            deep = self.scheduler.max_depth
+            if deep > runner.config.num_heads:
+                raise ValueError(f"tree depth {deep} exceeds the {runner.config.num_heads} draft heads")
+        self.rule = rule or make_rule(config.rule, config.sampling, config.typical_epsilon, config.typical_alpha)
+        self.device = engine.device
+        self.rng = None
+        if not config.sampling.greedy:
+            self.rng = torch.Generator(device=self.device)
+            self.rng.manual_seed(config.seed if config.seed is not None else int(torch.seed() % (1 << 62)))
+        self.eos = set(config.eos_token_ids if config.eos_token_ids is not None else engine.eos_ids())
+        ids = torch.as_tensor(input_ids, dtype=torch.long).flatten().tolist()
+        if not ids:
+            raise ValueError("empty prompt")
+        self.notices: list[str] = []
+        ids = self._fit_prompt(ids)
+        self.prompt = ids
+        self.tokens: list[int] = []
+        self.steps: list[Step] = []
+        self.stop_reason = ""
+        self.done = False
+        self._text_cache = ("", 0)
+        self._started = False
+        self._t_start = 0.0
+        self.time_prefill = 0.0
+        self.method = runner.label if runner is not None else "baseline"
+
+    # ---- prompt and context ---------------------------------------------------------------
+    def _fit_prompt(self, ids: list[int]) -> list[int]:
+        ctx = self.engine.max_context
+        if len(ids) < ctx:
+            return ids
+        if self.config.on_long_prompt == "error":
+            raise ContextError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}")
+        keep = max(1, ctx - min(self.config.max_new_tokens, ctx // 4))
+        self.notices.append(f"prompt truncated from {len(ids)} to its last {keep} tokens to fit the context of {ctx}")
+        return ids[-keep:]
+
+    # ---- prefill ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        t0 = time.perf_counter()
+        self._t_start = t0
+        m = self.engine.model
+        self.cache = DynamicCache(config=m.config)
+        ids = torch.tensor([self.prompt], device=self.device)
+        need_hidden = self.runner is not None
+        logits, hidden = forward(m, ids, self.cache, hidden=need_hidden, logits_to_keep=1)
+        last = logits[-1]
+        self.past = len(self.prompt)
+        self.root = self.rule.first_token(last, self.rng)
+        self.root_logits = last
+        if self.runner is not None:
+            self.prefix_state, self.feature = self.runner.start(hidden)
+        _sync(self.device)
+        self.time_prefill = time.perf_counter() - t0
+        self._started = True
+
+    # ---- iteration --------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Step]:
+        return self
+
+    def __next__(self) -> Step:
+        if self.done:
+            raise StopIteration
+        if not self._started:
+            self._prefill()
+        with torch.inference_mode():
+            step = self._step()
+        self.steps.append(step)
+        return step
+
+    def _emit(self, toks: list[int]) -> list[int]:
+        out = []
+        for t in toks:
+            if len(self.tokens) >= self.config.max_new_tokens:
+                break
+            self.tokens.append(t)
+            out.append(t)
+            if t in self.eos:
+                self._finish("eos")
+                return out
+        if self.config.stop_strings and self.engine.tokenizer is not None and out:
+            # Only the tail can hold a new match: every token is at least one character.
+            window = len(out) + max(len(s) for s in self.config.stop_strings)
+            tail = self.engine.tokenizer.decode(self.tokens[-window:], skip_special_tokens=True)
+            if any(s in tail for s in self.config.stop_strings):
+                self._finish("stop_string")
+                return out
+        if len(self.tokens) >= self.config.max_new_tokens:
+            self._finish("max_new_tokens")
+        return out
+
+    def _finish(self, reason: str) -> None:
+        if not self.done:
+            self.done = True
+            self.stop_reason = reason
+
+    def _choose_tree(self) -> tuple[Tree, Optional[dict]]:
+        if self.runner is None or self.scheduler is None:
+            return ROOT_ONLY, None
+        s = self.scheduler
+        sig = StepSignals(step=len(self.steps), history=tuple(st.accept_length for st in self.steps[-16:]))
+        if s.needs_root:
+            sig.root_entropy, sig.root_prob = _entropy_prob(self.root_logits, self.root)
+        if s.needs_draft:
+            lg = self.runner.first_level(self.feature, torch.tensor(self.root, device=self.device))
+            sig.draft_entropy, top1_lp = _entropy_prob(lg, int(lg.argmax()))
+            sig.draft_top1 = top1_lp
+        d = s.choose(sig)
+        reason = {"scheduler": s.name, "tree": d.tree.name, **d.reason}
+        if s.needs_root or s.needs_draft:
+            reason["signals"] = {k: v for k, v in sig.__dict__.items() if k not in ("history",) and not (isinstance(v, float) and math.isnan(v))}
+        return d.tree, reason
+
+    def _step(self) -> Step:
+        cfg, dev, m = self.config, self.device, self.engine.model
+        t0 = time.perf_counter()
+        remaining = cfg.max_new_tokens - len(self.tokens)
+        tree, reason = self._choose_tree()
+        room = self.engine.max_context - self.past
+        if remaining <= 1 or self.root in self.eos or room < 1:
+            # The root is already decided: emitting it needs no forward.
+            if room < 1 and remaining > 1 and self.root not in self.eos:
+                self.notices.append(f"stopped at the model's context length ({self.engine.max_context} tokens)")
+                emitted = self._emit([self.root])
+                self._finish("context")
+            else:
+                emitted = self._emit([self.root])
+            self._finish(self.stop_reason or "max_new_tokens")
+            return Step(len(self.steps), "emit_only", 0, [self.root], [-1], [0], emitted, None, 0.0, 0.0,
+                        time.perf_counter() - t0, scheduler=reason)
+        if tree.size > room:
+            self.notices.append(f"step {len(self.steps)}: tree of {tree.size} tokens does not fit the {room} positions left; drafting skipped")
+            tree = ROOT_ONLY
+        full = cfg.trace == "full"
+        root_t = torch.tensor(self.root, device=dev)
+
+        # -- draft
+        draft = None
+        if tree.n_nodes:
+            draft = self.runner.draft(tree, self.feature, root_t, with_stats=full)
+            tree_tokens = draft.tokens
+        else:
+            tree_tokens = root_t.view(1)
+        _sync(dev)
+        t1 = time.perf_counter()
+
+        # -- verify: one forward over the whole tree
+        need_hidden = self.runner is not None
+        if tree.n_nodes:
+            buf = tree.buffers(dev)
+            mask = tree_mask(buf.attention_bias(self.engine.dtype), self.past)
+            logits, hidden = forward(m, tree_tokens[None], self.cache, mask=mask,
+                                     position_ids=(buf.depths + self.past)[None], hidden=need_hidden)
+        else:
+            logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden)
+        _sync(dev)
+        t2 = time.perf_counter()
+
+        # -- accept and keep the accepted nodes
+        tokens = tree_tokens.tolist()
+        acc = self.rule.accept(tree, tokens, logits, self.rng)
+        keep_cache_entries(self.cache, self.past, acc.path, tree.size)
+        self.past += len(acc.path)
+        if self.runner is not None:
+            h = hidden.index_select(0, torch.tensor(acc.path, device=dev))
+            self.feature = self.runner.advance(self.prefix_state, h, h[-1])
+        prev_root_logits = self.root_logits
+        self.root_logits = logits[acc.path[-1]]
+        emitted = self._emit([tokens[i] for i in acc.path])
+        if self.scheduler is not None:
+            self.scheduler.update(len(acc.path) - 1)
+        bonus = acc.bonus
+        self.root = bonus
+        step = Step(len(self.steps), tree.name or f"{tree.n_nodes}-node", tree.n_nodes, tokens, tree.parent_list,
+                    acc.path, emitted, None if self.done else bonus, t1 - t0, t2 - t1, 0.0, scheduler=reason)
+        if full:
+            self._fill_full_trace(step, tree, draft, logits, prev_root_logits)
+        _sync(dev)
+        step.time_bookkeeping = time.perf_counter() - t2
+        return step
+
+    def _fill_full_trace(self, step: Step, tree: Tree, draft, logits, prev_root_logits) -> None:
+        tok = self.engine.tokenizer
+        toks = step.tokens
+        lp = torch.log_softmax(logits.float(), -1)
+        ent = -(lp.exp() * lp).sum(-1)
+        par = torch.tensor([max(p, 0) for p in step.parents], device=logits.device)
+        bp = lp[par, torch.tensor(toks, device=logits.device)].exp()
+        root_lp = torch.log_softmax(prev_root_logits.float(), -1)
+        bp[0] = root_lp[toks[0]].exp()
+        step.base_probs = bp.tolist()
+        step.base_entropies = ent.tolist()
+        step.depths = [len(p) for p in tree.node_paths]
+        step.ranks = [p[-1] if p else 0 for p in tree.node_paths]
+        if draft is not None and draft.probs is not None:
+            step.draft_probs = draft.probs.tolist()
+            step.draft_entropies = draft.entropies.tolist()
+        else:
+            step.draft_probs = [float("nan")] * len(toks)
+            step.draft_entropies = [float("nan")] * len(toks)
+        if tok is not None:
+            step.token_texts = tok.batch_decode([[t] for t in toks])
+
+    # ---- results ----------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return ""
+        text, n = self._text_cache
+        if n != len(self.tokens):
+            text = tok.decode(self.tokens, skip_special_tokens=True)
+            self._text_cache = (text, len(self.tokens))
+        return text
+
+    def final_text(self) -> str:
+        text = self.text
+        for s in self.config.stop_strings:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        return text
+
+    @property
+    def result(self) -> GenerationResult:
+        end = time.perf_counter()
+        total = (end - self._t_start) if self._started else 0.0
+        if self.steps:
+            total = self.time_prefill + sum(s.time_total for s in self.steps)
+        return GenerationResult(self.method, len(self.prompt), list(self.tokens), self.final_text(),
+                                list(self.steps), self.stop_reason, self.time_prefill, total, list(self.notices))

@@ -1,0 +1,424 @@
+"""Draft heads: Medusa, Hydra and Hydra++ behind one drafting interface.
+
+* Medusa head k (k = 0..K-1) reads only the base model's last hidden state h_t and predicts
+  token x_{t+k+2}: ``L`` residual SiLU blocks, then an LM head.
+* Hydra head k is *sequentially dependent*: it reads [h_t, E(x_{t+1}), ..., E(x_{t+k+1})],
+  the hidden state plus the embeddings of the k+1 tokens on the drafted path (x_{t+1} is the
+  root, the base model's own next token). Its first block maps (k+2)h -> h with a learned
+  residual projection.
+* Hydra++ adds one causal decoder layer (Llama-style: RMSNorm, RoPE attention, SwiGLU MLP)
+  over the sequence of base hidden states; its output replaces h_t for every head.
+
+The LM head of every head can be the frozen base ``lm_head`` (shared, not stored: a copy is
+V*h parameters, 113 MB per head for a 49k vocabulary) or a per-head copy (published
+checkpoints). A reduced *draft vocabulary* (a subset of token ids) makes drafting and
+training several times cheaper on CPU; verification always uses the full vocabulary, so it
+stays lossless.
+
+Heads hold no generation state: `HeadRunner` binds heads to one base model (embedding and
+LM-head weights), and per-request state (the Hydra++ layer's KV) lives in `PrefixState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .trees import Tree
+
+
+@dataclass
+class HeadsConfig:
+    """Everything needed to rebuild a set of draft heads (saved as `config.json`)."""
+
+    kind: str  # "medusa" or "hydra"
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    num_layers: int = 1
+    prefix_layer: bool = False  # Hydra++: one causal decoder layer over base hidden states
+    shared_lm_head: bool = True  # use the frozen base lm_head (not stored)
+    lm_head_bias: bool = False  # per-head LM heads only (Hydra's published heads have a bias)
+    shared_block: bool = False  # published quirk: one block object applied L-1 times
+    draft_vocab_size: Optional[int] = None  # heads score only these token ids
+    # Hydra++ decoder-layer shape (copied from the base config)
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    base_model: str = ""
+    format: str = "entmtp-heads/1"
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("medusa", "hydra"):
+            raise ValueError(f"heads kind must be 'medusa' or 'hydra', got {self.kind!r}")
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError("num_heads and num_layers must be >= 1")
+        if self.prefix_layer and self.kind != "hydra":
+            raise ValueError("the Hydra++ prefix layer needs kind='hydra'")
+        if self.prefix_layer and not (self.num_attention_heads and self.intermediate_size):
+            raise ValueError("the Hydra++ prefix layer needs num_attention_heads and intermediate_size")
+
+    @property
+    def label(self) -> str:
+        return "hydra++" if self.prefix_layer else self.kind
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def for_base(base_config, kind: str, num_heads: int = 4, **kw) -> "HeadsConfig":
+        """A config sized for a transformers base config (Hydra++ layer shape included)."""
+        txt = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+        n_heads = getattr(txt, "num_attention_heads", 0) or getattr(txt, "n_head", 0)
+        return HeadsConfig(
+            kind=kind, num_heads=num_heads, hidden_size=txt.hidden_size, vocab_size=txt.vocab_size,
+            num_attention_heads=n_heads,
+            num_key_value_heads=getattr(txt, "num_key_value_heads", None) or n_heads,
+            intermediate_size=getattr(txt, "intermediate_size", None) or 4 * txt.hidden_size,
+            rms_norm_eps=float(getattr(txt, "rms_norm_eps", 1e-5) or 1e-5),
+            rope_theta=float(_rope_theta(txt)),
+            base_model=str(getattr(base_config, "_name_or_path", "") or ""), **kw)
+
+
+def _rope_theta(cfg) -> float:
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict) and rp.get("rope_theta"):
+        return rp["rope_theta"]
+    return getattr(cfg, "rope_theta", 10000.0) or 10000.0
+
+
+class ResBlock(nn.Module):
+    """y = R x + SiLU(W x + b); R = identity when in == out, else a learned projection.
+
+    W starts at zero so a fresh block is (close to) R x: heads start from the base state.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.res_connection = nn.Linear(in_features, out_features) if in_features != out_features else None
+        nn.init.zeros_(self.linear.weight)
+        if self.res_connection is not None:
+            # Start as "take the h_t part": the head begins as a Medusa head on h_t.
+            with torch.no_grad():
+                self.res_connection.weight.zero_()
+                self.res_connection.weight[:, :out_features] = torch.eye(out_features)
+                self.res_connection.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        res = x if self.res_connection is None else self.res_connection(x)
+        return res + F.silu(self.linear(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's half-split convention). x [B, H, T, d], pos [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@dataclass
+class PrefixState:
+    """Per-request KV of the Hydra++ layer. keys/values [1, kv_heads, S, head_dim]."""
+
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+
+class PrefixLayer(nn.Module):
+    """Hydra++: one causal Llama-style decoder layer (+ final norm) over base hidden states.
+
+    Parameter names follow Llama's so that published `prefix_embeding_layer.*` weights load.
+    """
+
+    def __init__(self, cfg: HeadsConfig):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        kvh = cfg.num_key_value_heads or nh
+        self.n_heads, self.n_kv, self.head_dim, self.theta = nh, kvh, h // nh, cfg.rope_theta
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, nh * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(nh * self.head_dim, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
+        """x [B, T, h] new hidden states (continuing `state` if given) -> [B, T, h].
+
+        Causal over the sequence. With `state`, the new keys/values are appended to it.
+        """
+        B, T, _ = x.shape
+        past = state.length if state is not None else 0
+        pos = torch.arange(past, past + T, device=x.device)
+        y = self.input_layernorm(x)
+        q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        if state is not None:
+            if state.keys is not None:
+                k = torch.cat([state.keys, k], dim=-2)
+                v = torch.cat([state.values, v], dim=-2)
+            state.keys, state.values = k, v
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if past == 0:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # new token i (absolute past+i) sees keys 0..past+i
+            allow = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return self.norm(x)
+
+
+class DraftHeads(nn.Module):
+    """K Medusa or Hydra heads (optionally Hydra++). Weights only: no generation state."""
+
+    def __init__(self, cfg: HeadsConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        blocks = []
+        for k in range(cfg.num_heads):
+            first_in = (k + 2) * h if cfg.kind == "hydra" else h
+            layers = [ResBlock(first_in, h)]
+            if cfg.num_layers > 1:
+                if cfg.shared_block:
+                    shared = ResBlock(h, h)
+                    layers += [shared] * (cfg.num_layers - 1)
+                else:
+                    layers += [ResBlock(h, h) for _ in range(cfg.num_layers - 1)]
+            blocks.append(nn.ModuleList(layers))
+        self.blocks = nn.ModuleList(blocks)
+        n_out = cfg.draft_vocab_size or cfg.vocab_size
+        self.lm_heads = None
+        if not cfg.shared_lm_head:
+            self.lm_heads = nn.ModuleList([nn.Linear(h, n_out, bias=cfg.lm_head_bias) for _ in range(cfg.num_heads)])
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab = None
+        self.prefix = PrefixLayer(cfg) if cfg.prefix_layer else None
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def head_hidden(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """Head k's blocks. x [..., in_k] -> [..., h]."""
+        for block in self.blocks[k]:
+            x = block(x)
+        return x
+
+    def head_logits(self, k: int, x: torch.Tensor, lm_weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """Head k on inputs x [..., in_k] -> draft logits [..., V_draft].
+
+        lm_weight [V_draft, h] is the (draft-vocab rows of the) frozen base lm_head, used
+        when the heads share it.
+        """
+        z = self.head_hidden(k, x)
+        if self.lm_heads is not None:
+            return self.lm_heads[k](z)
+        return F.linear(z, lm_weight)
+
+    def training_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
+                        lm_weight: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher-forced logits for training and evaluation.
+
+        hidden [B, T, h] base last hidden states; input_ids [B, T].
+        Returns K tensors [B, T-k-1, V_draft]: head k at position t predicts x_{t+k+2}.
+        (Positions whose target would fall beyond T are dropped.)
+        """
+        if self.prefix is not None:
+            hidden = self.prefix(hidden)
+        T = hidden.shape[1]
+        out = []
+        if self.config.kind == "medusa":
+            for k in range(self.num_heads):
+                out.append(self.head_logits(k, hidden[:, : T - k - 1], lm_weight))
+            return out
+        with torch.no_grad():
+            emb = embed(input_ids).to(hidden.dtype)  # [B, T, h]
+        feats = hidden
+        for k in range(self.num_heads):
+            n = T - k - 1  # positions t = 0..n-1 have x_{t+k+1} and a target x_{t+k+2}
+            if n <= 0:
+                break
+            feats = torch.cat([feats[:, :n], emb[:, k + 1: k + 1 + n]], dim=-1)
+            out.append(self.head_logits(k, feats, lm_weight))
+        return out
+
+
+@dataclass
+class Draft:
+    """One step's drafted tree. Index 0 is the root (the base model's own token).
+
+    tokens [n+1] long; probs [n+1] draft probability of each node's token under the head
+    that proposed it (root: nan); entropies [n+1] entropy (nats) of that head distribution.
+    probs/entropies are None unless asked for.
+    """
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    entropies: Optional[torch.Tensor] = None
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> entropy in nats [...] (float32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class HeadRunner:
+    """Draft heads bound to one base model, for inference. Shared read-only across requests.
+
+    It resolves the embedding and (draft-vocab rows of the) LM-head weights once.
+    """
+
+    def __init__(self, heads: DraftHeads, model: nn.Module):
+        self.heads = heads.eval()
+        self.config = heads.config
+        self.embed = model.get_input_embeddings()
+        p = next(model.parameters())
+        self.heads.to(device=p.device, dtype=p.dtype)
+        self.device, self.dtype = p.device, p.dtype
+        lm = model.get_output_embeddings().weight
+        dv = heads.draft_vocab
+        self.draft_vocab = None if dv is None else dv.to(self.device)
+        self.lm_weight = None
+        if heads.lm_heads is None:
+            self.lm_weight = lm if dv is None else lm.index_select(0, self.draft_vocab).contiguous()
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    def start(self, hidden: torch.Tensor) -> tuple[Optional[PrefixState], torch.Tensor]:
+        """Begin a request. hidden [T, h] base hidden states of the prompt.
+
+        Returns (prefix state or None, the feature h_t the heads read for the last position [h]).
+        """
+        if self.heads.prefix is None:
+            return None, hidden[-1]
+        state = PrefixState()
+        out = self.heads.prefix(hidden[None], state)
+        return state, out[0, -1]
+
+    def advance(self, state: Optional[PrefixState], hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Feed newly accepted base hidden states [a, h]; returns the new head feature [h]."""
+        if state is None:
+            return last
+        return self.heads.prefix(hidden[None], state)[0, -1]
+
+    def _map(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.draft_vocab is None else self.draft_vocab[idx]
+
+    @torch.no_grad()
+    def draft(self, tree: Tree, feature: torch.Tensor, root: torch.Tensor, with_stats: bool = False) -> Draft:
+        """Draft every node of `tree`.
+
+        feature [h] the head feature at the last accepted position; root [] long, the base
+        model's next token. Works for any valid tree (gaps in ranks, any widths): node tokens
+        are gathered by their own rank under their own parent.
+        """
+        buf = tree.buffers(self.device)
+        n1 = tree.size
+        tokens = torch.empty(n1, dtype=torch.long, device=self.device)
+        tokens[0] = root
+        probs = ents = None
+        if with_stats:
+            probs = torch.full((n1,), float("nan"), device=self.device)
+            ents = torch.full((n1,), float("nan"), device=self.device)
+        D = min(tree.depth, self.config.num_heads)
+        if tree.depth > self.config.num_heads:
+            raise ValueError(f"tree {tree.name!r} has depth {tree.depth} but the heads only draft {self.config.num_heads} levels")
+        if self.config.kind == "medusa":
+            x = feature[None]
+            for d in range(1, D + 1):
+                logits = self.heads.head_logits(d - 1, x, self.lm_weight)[0]  # [Vd]
+                top = torch.topk(logits, buf.level_topk[d])
+                nodes, ranks = buf.level_nodes[d], buf.level_ranks[d]
+                tokens[nodes] = self._map(top.indices[ranks])
+                if with_stats:
+                    lp = torch.log_softmax(logits.float(), -1)
+                    probs[nodes] = lp[top.indices[ranks]].exp()
+                    ents[nodes] = -(lp.exp() * lp).sum()
+            return Draft(tokens, probs, ents)
+        # Hydra: rows = expanded nodes of the previous level, features grow by one embedding
+        rows = torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
+        for d in range(1, D + 1):
+            logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd]
+            top = torch.topk(logits, buf.level_topk[d], dim=-1)
+            nodes, prow, ranks = buf.level_nodes[d], buf.level_parent_row[d], buf.level_ranks[d]
+            idx = top.indices[prow, ranks]  # [m_d]
+            tok = self._map(idx)
+            tokens[nodes] = tok
+            if with_stats:
+                lp = torch.log_softmax(logits.float(), -1)
+                probs[nodes] = lp[prow, idx].exp()
+                ents[nodes] = (-(lp.exp() * lp).sum(-1))[prow]
+            exp = buf.level_expand[d]
+            if d < D and exp.numel():
+                emb = self.embed(tok[exp]).to(rows.dtype)
+                rows = torch.cat([rows[prow[exp]], emb], dim=-1)
+        return Draft(tokens, probs, ents)
+
+    @torch.no_grad()
+    def first_level(self, feature: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """Head 0's draft logits at the root [V_draft] (a scheduler signal of this step)."""
+        x = feature[None] if self.config.kind == "medusa" else torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]
+        return self.heads.head_logits(0, x, self.lm_weight)[0]
+
+    def to_full_vocab(self, idx: torch.Tensor) -> torch.Tensor:
+        return self._map(idx)
+
+
+def count_parameters(heads: DraftHeads) -> int:
+    return sum(p.numel() for p in {id(p): p for p in heads.parameters()}.values())
+
+
+def approx_bytes(heads: DraftHeads) -> int:
+    seen = {id(p): p for p in heads.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+__all__ = ["HeadsConfig", "DraftHeads", "HeadRunner", "Draft", "PrefixState", "ResBlock", "PrefixLayer",
+           "count_parameters", "approx_bytes"]
