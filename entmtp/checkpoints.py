@@ -1,0 +1,137 @@
+"""Head checkpoints: our format (safetensors + config.json) and the published formats.
+
+Our format, a directory:
+* ``config.json``  -- `HeadsConfig` fields (``"format": "entmtp-heads/1"``) plus ``meta``
+  (training recipe, metrics, provenance).
+* ``heads.safetensors`` -- the heads' own weights only. A shared base ``lm_head`` and the
+  base embedding are never stored.
+
+Loading is strict: unknown, missing or mis-shaped keys raise `CheckpointError`, whose
+one-line message names them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .heads import DraftHeads, HeadsConfig
+
+WEIGHTS_FILE = "heads.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A head checkpoint that cannot be loaded (one-line message naming the problem)."""
+
+
+def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with each shared tensor stored once (safetensors refuses aliases)."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in module.state_dict(keep_vars=False).items():
+        ptr = v.data_ptr() if v.numel() else id(v)
+        if ptr in seen:
+            continue
+        seen[ptr] = k
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def save_heads(heads: DraftHeads, directory: str | Path, meta: Optional[dict[str, Any]] = None,
+               dtype: Optional[torch.dtype] = None) -> Path:
+    """Write `heads` in our format; returns the directory."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = _unique_state(heads)
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    tmp = d / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "entmtp-heads/1"})
+    tmp.replace(d / WEIGHTS_FILE)
+    cfg = heads.config.to_dict()
+    cfg["meta"] = meta or {}
+    (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, default=str) + "\n")
+    return d
+
+
+def load_state_strict(heads: DraftHeads, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` into `heads`, failing with one line that names bad keys."""
+    own = heads.state_dict()
+    # Tensors shared inside `heads` appear under several names; any one of them suffices.
+    alias: dict[int, list[str]] = {}
+    for k, v in own.items():
+        alias.setdefault(v.data_ptr() if v.numel() else id(v), []).append(k)
+    unknown = sorted(set(state) - set(own))
+    missing = sorted(k for names in alias.values() if not any(n in state for n in names) for k in names[:1])
+    if unknown:
+        raise CheckpointError(f"{source}: unknown keys {_names(unknown)}")
+    if missing:
+        raise CheckpointError(f"{source}: missing keys {_names(missing)}")
+    bad = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if tuple(state[k].shape) != tuple(own[k].shape)]
+    if bad:
+        raise CheckpointError(f"{source}: mis-shaped keys {_names(bad)} (heads built for another model size?)")
+    with torch.no_grad():
+        for names in alias.values():
+            src = next(state[n] for n in names if n in state)
+            own[names[0]].copy_(src)
+
+
+def _names(keys: list[str], limit: int = 6) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent}: no {path.name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_heads(path: str | Path) -> DraftHeads:
+    """Load heads from a directory in our format or a published Medusa / Hydra format."""
+    d = Path(path)
+    if not d.exists():
+        raise CheckpointError(f"head checkpoint not found: {d}")
+    if d.is_file():
+        d = d.parent
+    raw = read_config(d / CONFIG_FILE)
+    if (d / WEIGHTS_FILE).is_file() and str(raw.get("format", "")).startswith("entmtp-heads"):
+        return _load_ours(d, raw)
+    from . import published  # published formats live apart from ours
+
+    return published.load_published(d, raw)
+
+
+def _load_ours(d: Path, raw: dict) -> DraftHeads:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    fields = {k: v for k, v in raw.items() if k in HeadsConfig.__dataclass_fields__}
+    unknown = sorted(set(raw) - set(HeadsConfig.__dataclass_fields__) - {"meta"})
+    if unknown:
+        raise CheckpointError(f"{d / CONFIG_FILE}: unknown config fields {_names(unknown)}")
+    try:
+        cfg = HeadsConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{d / CONFIG_FILE}: {e}") from None
+    try:
+        state = load_file(str(d / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{d / WEIGHTS_FILE}: unreadable safetensors file ({e})") from None
+    heads = DraftHeads(cfg)
+    load_state_strict(heads, state, str(d / WEIGHTS_FILE))
+    heads.meta = raw.get("meta", {})
+    return heads.eval()
+
+
+def heads_meta(heads: DraftHeads) -> dict:
+    return getattr(heads, "meta", {}) or {}
