@@ -1,0 +1,99 @@
+"""The bundled prompt files and the training-prompt builder (scripts/build_train_prompts.py)."""
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from entmtp.data import bundled_prompts, load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_CATEGORIES = {"conversation", "code", "math", "summarization", "qa", "translation"}
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_train_prompts",
+                                                  ROOT / "scripts" / "build_train_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def builder():
+    return load_builder()
+
+
+def test_bench_prompts():
+    ps = load_prompts(bundled_prompts("bench"))
+    assert ps.skipped == [] and len(ps) == 60
+    assert Counter(p.category for p in ps) == {c: 10 for c in BENCH_CATEGORIES}
+    assert len({p.id for p in ps}) == 60
+    assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in ps)
+    assert len({p.user_text for p in ps}) == 60
+    for p in ps:
+        if p.category == "summarization":  # instruction + a passage of 80-150 words
+            passage = max(p.user_text.split("\n\n"), key=len)
+            assert 80 <= len(passage.split()) <= 150, p.id
+
+
+def test_calibration_example_and_chat_examples(builder):
+    calib = load_prompts(bundled_prompts("calib_example"))
+    assert calib.skipped == [] and 35 <= len(calib) <= 45
+    assert all(p.user_turns and p.category for p in calib)
+    bench = builder.HeldOutFilter(p.user_text for p in load_prompts(bundled_prompts("bench")))
+    assert not any(bench.matches(p.user_text) for p in calib)  # distinct from the benchmark
+
+    chat = load_prompts(bundled_prompts("chat_examples"))
+    assert chat.skipped == [] and 6 <= len(chat) <= 10
+    assert all(len(p.messages) == 1 for p in chat)
+
+
+def test_held_out_filter(builder):
+    bench = load_prompts(bundled_prompts("bench"))
+    bench_text = next(p.user_text for p in bench if p.category == "summarization")
+    held_out = builder.load_held_out(builder.HELD_OUT_FILES)
+    passage_words = max(bench_text.split("\n\n"), key=len).split()
+    candidates = [
+        ("qa", "How do clouds form?"),
+        ("summarization", bench_text),                                   # verbatim
+        ("summarization", "  " + bench_text.upper().replace(",", " ;")),  # same after normalizing
+        ("summarization", "Shorten this: " + " ".join(passage_words[10:30])),  # shares 8-word runs
+        ("qa", "why is the sky BLUE"),                                   # short bench prompt
+        ("qa", "Why is the sea salty?"),
+    ]
+    kept = builder.drop_held_out(candidates, held_out)
+    assert kept == [candidates[0], candidates[-1]]
+
+
+def test_build_train_prompts(builder, tmp_path, capsys):
+    out = tmp_path / "train.jsonl"
+    assert builder.main(["--out", str(out), "--n", "300", "--seed", "3"]) == 0
+    assert "wrote 300 prompts" in capsys.readouterr().out
+
+    ps = load_prompts(out)
+    assert ps.skipped == [] and len(ps) == 300
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(set(r) == {"id", "category", "messages"} for r in rows)
+    assert len({p.id for p in ps}) == 300
+    assert len({builder.normalize(p.user_text) for p in ps}) == 300
+    assert all(p.category and [m["role"] for m in p.messages] == ["user"] for p in ps)
+
+    held_out = builder.load_held_out(builder.HELD_OUT_FILES)
+    assert not any(held_out.matches(p.user_text) for p in ps)
+
+    again = tmp_path / "again.jsonl"
+    builder.main(["--out", str(again), "--n", "300", "--seed", "3"])
+    assert again.read_bytes() == out.read_bytes()  # deterministic for a seed
+
+
+def test_generated_source_alone(builder, monkeypatch):
+    """Without the optional packages the generator still fills --n."""
+    monkeypatch.setattr(builder, "chatterbot_prompts", lambda: [])
+    monkeypatch.setattr(builder, "chitchat_prompts", lambda: [])
+    rows, counts = builder.build(500, 0, builder.load_held_out(builder.HELD_OUT_FILES))
+    assert counts == {"generated": 500}
+    assert len({r["messages"][0]["content"] for r in rows}) == 500
+    assert len({r["category"] for r in rows}) >= 8
