@@ -1,0 +1,68 @@
+"""Shared test helpers: tiny random causal LMs of several families and random draft heads."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+import transformers
+
+from entmtp.heads import DraftHeads, HeadsConfig
+
+transformers.logging.set_verbosity_error()
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+
+
+def tiny_model(family: str = "llama", vocab: int = 64, seed: int = 0, max_pos: int = 256,
+               attn: str = "sdpa", dtype=torch.float32):
+    """A tiny randomly initialised causal LM of `family` (built in code, nothing downloaded)."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=max_pos,
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = attn
+    model = cls(cfg).eval().to(dtype)
+    # Sharper logits: a random tiny model is otherwise nearly uniform, which makes greedy
+    # near-ties (and so float-noise flips) common and acceptance rare.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def random_heads(model, kind: str = "hydra", num_heads: int = 4, prefix: bool = False, seed: int = 0,
+                 std: float = 0.5, **kw) -> DraftHeads:
+    """Draft heads with random (non-zero) weights for `model`."""
+    torch.manual_seed(seed)
+    cfg = HeadsConfig.for_base(model.config, kind, num_heads=num_heads, prefix_layer=prefix, **kw)
+    heads = DraftHeads(cfg)
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std / p.shape[1] ** 0.5)
+    return heads.eval()
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")

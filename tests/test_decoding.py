@@ -1,0 +1,272 @@
+"""The engine is lossless: float32 greedy speculative output equals `model.generate`."""
+
+import functools
+import random
+import threading
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES, random_heads, tiny_model
+from entmtp.acceptance import Sampling, TypicalRule
+from entmtp.decoding import ContextError, DecodeConfig, Engine
+from entmtp.heads import Draft
+from entmtp.trees import Tree, resolve_tree
+from entmtp.verify import UnsupportedModelError
+
+VOCAB = 24  # small, so that random heads' drafts are often accepted
+
+
+@functools.lru_cache(maxsize=None)
+def engine_for(family: str, attn: str = "sdpa") -> Engine:
+    m = tiny_model(family, vocab=VOCAB, seed=3, attn=attn)
+    heads = {
+        "medusa": random_heads(m, "medusa", num_heads=6, seed=1),
+        "hydra": random_heads(m, "hydra", num_heads=6, seed=2),
+        "hydra++": random_heads(m, "hydra", num_heads=6, prefix=True, seed=3),
+        "hydra-dv": random_heads(m, "hydra", num_heads=6, seed=4, draft_vocab_size=12),
+    }
+    with torch.no_grad():
+        heads["hydra-dv"].draft_vocab.copy_(torch.arange(0, VOCAB, 2))
+    return Engine(m, None, heads)
+
+
+def hf_greedy(model, ids, n, eos=None):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                         pad_token_id=1, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+@st.composite
+def trees(draw, max_depth=6, max_nodes=24):
+    """Random valid trees: gaps in ranks, uneven widths, depth 1..6."""
+    depth = draw(st.integers(1, max_depth))
+    paths = {(draw(st.integers(0, 4)),)}
+    frontier = sorted(paths)
+    for d in range(1, depth):
+        parent = draw(st.sampled_from(frontier))
+        new = {parent + (r,) for r in draw(st.sets(st.integers(0, 5), min_size=1, max_size=3))}
+        paths |= new
+        frontier = sorted(new)
+    extra = draw(st.lists(st.tuples(st.sampled_from(sorted(paths)), st.integers(0, 7)), max_size=8))
+    for parent, r in extra:
+        if len(parent) < depth:
+            paths.add(parent + (r,))
+    paths = sorted(paths)[:max_nodes]
+    paths = [p for p in paths if all(p[:k] in set(paths) for k in range(1, len(p)))]
+    return Tree.from_paths([list(p) for p in paths])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv"]),
+       prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=20), n=st.integers(1, 40))
+def test_greedy_equals_generate(family, tree, heads, prompt, n):
+    eng = engine_for(family)
+    ref = hf_greedy(eng.model, prompt, n)
+    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=())
+    got = eng.run(prompt, heads=heads, tree=tree, config=cfg)
+    assert got.tokens == ref
+    assert eng.run(prompt, config=cfg).tokens == ref  # baseline in the same engine
+
+
+class _Override:
+    """A HeadRunner with some attributes replaced."""
+
+    def __init__(self, base, **over):
+        self._base, self._over = base, over
+
+    def __getattr__(self, name):
+        return self._over[name] if name in self._over else getattr(self._base, name)
+
+
+def oracle_run(eng, prompt, tree, ref, heads="hydra", seed=0, config=None):
+    """Run with drafts that put the true continuation on a random root-to-leaf path."""
+    rnd = random.Random(seed)
+    g = eng.generate(prompt, heads=heads, tree=tree, config=config or DecodeConfig(max_new_tokens=len(ref), eos_token_ids=()))
+    real = g.runner.draft
+    leaves = tree.buffers().retrieve.tolist()
+
+    def draft(tr, feature, root, with_stats=False):
+        d = real(tr, feature, root, with_stats)
+        toks = d.tokens.clone()
+        pos = len(g.tokens)  # the root is ref[pos]
+        path = [i for i in rnd.choice(leaves) if i >= 0]
+        for depth, node in enumerate(path[1:], start=1):
+            if pos + depth < len(ref):
+                toks[node] = ref[pos + depth]
+        return Draft(toks, d.probs, d.entropies)
+
+    g.runner = _Override(eng.runners[heads], draft=draft)
+    for _ in g:
+        pass
+    return g.result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_63", "gappy_5", "binary_2x2", "chain_4"])
+def test_oracle_drafts_accept_long_paths_and_stay_exact(family, tree_name):
+    eng = engine_for(family)
+    prompt = [5, 9, 2, 7, 11]
+    ref = hf_greedy(eng.model, prompt, 48)
+    tree = resolve_tree(tree_name)
+    for heads in ("medusa", "hydra", "hydra++"):
+        r = oracle_run(eng, prompt, tree, ref, heads=heads)
+        assert r.tokens == ref
+        assert r.tau > 1.8  # the oracle path is accepted: compaction of non-prefix paths is exercised
+        assert any(s.accepted != list(range(len(s.accepted))) for s in r.steps) or tree_name == "chain_4"
+
+
+def test_eager_attention_is_exact():
+    eng = engine_for("llama", attn="eager")
+    prompt = [3, 4, 5, 6]
+    ref = hf_greedy(eng.model, prompt, 30)
+    r = oracle_run(eng, prompt, resolve_tree("mc_sim_7b_63"), ref)
+    assert r.tokens == ref
+
+
+def test_eos_stops_like_generate():
+    eng = engine_for("llama")
+    prompt = [4, 8, 15, 16]
+    free = hf_greedy(eng.model, prompt, 30)
+    eos = free[7]
+    ref = hf_greedy(eng.model, prompt, 30, eos=eos)
+    r = oracle_run(eng, prompt, resolve_tree("binary_2x2"), free, config=DecodeConfig(max_new_tokens=30, eos_token_ids=(eos,)))
+    assert r.tokens == ref and r.tokens[-1] == eos and r.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 13])
+def test_max_new_tokens_counts_tokens_not_steps(n):
+    eng = engine_for("qwen2")
+    prompt = [2, 3, 4]
+    ref = hf_greedy(eng.model, prompt, 40)
+    r = oracle_run(eng, prompt, resolve_tree("chain_5"), ref, config=DecodeConfig(max_new_tokens=n, eos_token_ids=()))
+    assert r.tokens == ref[:n] and r.stop_reason == "max_new_tokens"
+
+
+class CharTokenizer:
+    """Minimal tokenizer stand-in: token i is a letter."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def batch_decode(self, seqs):
+        return [self.decode(s) for s in seqs]
+
+
+def test_stop_strings_and_full_trace():
+    eng = engine_for("llama")
+    eng2 = Engine(eng.model, CharTokenizer(), {"hydra": eng.runners["hydra"].heads})
+    prompt = [5, 6, 7]
+    ref = hf_greedy(eng.model, prompt, 40)
+    stop = CharTokenizer().decode(ref[10:12])
+    r = eng2.run(prompt, heads="hydra", tree=resolve_tree("mc_sim_7b_63"),
+                 config=DecodeConfig(max_new_tokens=40, eos_token_ids=(), stop_strings=(stop,), trace="full"))
+    assert r.stop_reason == "stop_string"
+    full = CharTokenizer().decode(ref)
+    first = full.find(stop) + len(stop)  # one character per token
+    assert r.tokens == ref[: len(r.tokens)] and first <= len(r.tokens) < first + 7
+    assert stop not in r.text and r.text == full[: full.find(stop)]
+    for s in r.steps:
+        if not s.time_verify:
+            continue
+        n1 = s.n_nodes + 1
+        assert len(s.token_texts) == len(s.base_probs) == len(s.draft_probs) == len(s.depths) == n1
+        assert all(0 <= p <= 1 for p in s.base_probs) and all(e >= 0 for e in s.base_entropies)
+        assert [s.tokens[i] for i in s.accepted] == s.emitted[: len(s.accepted)]
+        for a, b in zip(s.accepted, s.accepted[1:]):
+            assert s.parents[b] == a
+        assert s.time_draft >= 0 and s.time_verify > 0
+
+
+def test_context_limit_never_overflows():
+    m = tiny_model("llama", vocab=VOCAB, seed=3, max_pos=48)
+    eng = Engine(m, None, {"hydra": random_heads(m, "hydra", num_heads=4)})
+    prompt = list(range(2, 22))  # 20 tokens
+    ref = hf_greedy(m, prompt, 48 - 20 + 1)  # the last token needs no forward of its own
+    r = eng.run(prompt, heads="hydra", tree=resolve_tree("mc_sim_7b_63"), config=DecodeConfig(max_new_tokens=100, eos_token_ids=()))
+    assert r.stop_reason == "context"
+    assert len(prompt) + len(r.tokens) <= 48 + 1  # the last token is emitted without a forward
+    assert r.tokens == ref[: len(r.tokens)] and len(r.tokens) >= 26
+    assert any("context" in n or "does not fit" in n for n in r.notices)
+
+
+def test_long_prompt_truncated_or_error():
+    m = tiny_model("llama", vocab=VOCAB, seed=3, max_pos=32)
+    eng = Engine(m)
+    prompt = [3] * 40
+    r = eng.run(prompt, config=DecodeConfig(max_new_tokens=4, eos_token_ids=()))
+    assert len(r.tokens) == 4 and r.prompt_tokens < 32 and "truncated" in r.notices[0]
+    with pytest.raises(ContextError, match="context is 32"):
+        eng.run(prompt, config=DecodeConfig(max_new_tokens=4, on_long_prompt="error"))
+
+
+def test_unsupported_models_get_a_clear_error():
+    cfg = transformers.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        Engine(transformers.MistralForCausalLM(cfg))
+    cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1)
+    with pytest.raises(UnsupportedModelError):
+        Engine(transformers.Qwen2ForCausalLM(cfg))
+
+
+def test_heads_for_another_model_are_rejected():
+    m = tiny_model("llama", vocab=VOCAB)
+    other = tiny_model("llama", vocab=VOCAB + 4)
+    with pytest.raises(ValueError, match="vocab size"):
+        Engine(m, None, {"hydra": random_heads(other, "hydra")})
+
+
+def test_tree_deeper_than_heads_is_rejected():
+    eng = engine_for("llama")
+    short = Engine(eng.model, None, {"h": random_heads(eng.model, "hydra", num_heads=2)})
+    with pytest.raises(ValueError, match="exceeds the 2 draft heads"):
+        short.generate([3, 4], heads="h", tree=resolve_tree("chain_3"))
+
+
+def test_concurrent_generations_do_not_mix():
+    eng = engine_for("llama")
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [10, 2], [5, 5, 5, 5, 5]]
+    refs = [hf_greedy(eng.model, p, 25) for p in prompts]
+    results = [None] * len(prompts)
+
+    def work(i):
+        results[i] = eng.run(prompts[i], heads="hydra", tree=resolve_tree("binary_2x2"),
+                             config=DecodeConfig(max_new_tokens=25, eos_token_ids=(), trace="full")).tokens
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == refs
+
+
+def test_typical_rule_runs_and_is_deterministic_at_greedy_bonus():
+    eng = engine_for("llama")
+    rule = TypicalRule(Sampling(temperature=0.0), epsilon=0.09, alpha=0.3)
+    a = eng.run([3, 4, 5], heads="hydra", tree=resolve_tree("mc_sim_7b_63"), rule=rule, config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
+    b = eng.run([3, 4, 5], heads="hydra", tree=resolve_tree("mc_sim_7b_63"), rule=rule, config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
+    assert a.tokens == b.tokens and len(a.tokens) == 20
+    # a loose threshold accepts more than exact greedy does
+    loose = TypicalRule(Sampling(temperature=0.0), epsilon=1e-6, alpha=1e-6)
+    c = eng.run([3, 4, 5], heads="hydra", tree=resolve_tree("mc_sim_7b_63"), rule=loose, config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
+    g = eng.run([3, 4, 5], heads="hydra", tree=resolve_tree("mc_sim_7b_63"), config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
+    assert c.tau > g.tau
+
+
+def test_summary_and_json():
+    eng = engine_for("gpt2")
+    r = eng.run([3, 4, 5], heads="medusa", tree=resolve_tree("binary_2x2"), config=DecodeConfig(max_new_tokens=12, eos_token_ids=(), trace="full"))
+    s = r.summary()
+    assert s["new_tokens"] == 12 and s["tau"] >= 1.0 and 0 <= s["bookkeeping_share"] < 1
+    import json
+    json.dumps(r.to_dict())  # NaN-free, serialisable
