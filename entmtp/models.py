@@ -673,3 +673,45 @@ if __name__ == "__main__":  # pragma: no cover - `python -m entmtp.models` conve
     p = ensure_default_model(full_verify=True)
     print(p)
     sys.exit(0)
+
+
+# --------------------------------------------------------------------------------------
+# base + heads -> engine
+# --------------------------------------------------------------------------------------
+def resolve_heads_dir(spec: str | os.PathLike) -> Path:
+    """A heads directory from a local path, a default kind name, or a Hugging Face repo id."""
+    s = os.fspath(spec)
+    p = Path(s).expanduser()
+    if p.exists():
+        return p if p.is_dir() else p.parent
+    if s.lower() in HEAD_KINDS or s.lower() in ("hydrapp",):
+        return default_heads_path(s)
+    if _REPO_ID_RE.match(s) and "/" in s:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(s, allow_patterns=["config.json", "*.pt", "*.safetensors"]))
+        except Exception as exc:  # network / offline / missing repo: one clear line
+            raise ModelLoadError(f"cannot fetch heads {s!r} ({_one_line(exc)}); download them where the Hub is reachable and pass the directory") from None
+    raise ModelLoadError(f"heads not found: {s!r} (give a directory, a Hugging Face repo id, or one of {', '.join(HEAD_KINDS)})")
+
+
+def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, dtype: Any = "float32",
+                device: Any = "cpu", device_map: Any = None, attn_implementation: str | None = "sdpa",
+                progress: Callable[[str], Any] | None = print):
+    """Load a base model and named head checkpoints into an `Engine`.
+
+    heads maps a name ("medusa", "hydra", "hydra++" or any label) to a directory, repo id or
+    default kind. For base "default" with heads None, every embedded head set that exists is loaded.
+    """
+    from .checkpoints import load_heads
+    from .decoding import Engine
+
+    model, tokenizer = load_base(base, dtype=dtype, device=device, device_map=device_map,
+                                 attn_implementation=attn_implementation, progress=progress)
+    if heads is None:
+        heads = {}
+        if str(base).lower() == "default":
+            heads = {k: k for k in HEAD_KINDS if (DEFAULT_HEADS_DIR / HEAD_KINDS[k]).is_dir()}
+    loaded = {name: load_heads(resolve_heads_dir(spec), base_config=model.config) for name, spec in heads.items()}
+    return Engine(model, tokenizer, loaded)

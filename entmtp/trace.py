@@ -76,14 +76,12 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per base forward, bonus token included (1.0 for plain decoding).
+        """Mean tokens per base forward, bonus token included (exactly 1.0 for plain decoding).
 
-        The first token comes from the prefill forward; every step forward then yields
-        emitted tokens. tau = generated tokens / decoding forwards (prefill excluded).
+        Forwards = the prefill (which yields the first token) + one per step that verified.
         """
-        forwards = sum(1 for s in self.steps if s.time_verify > 0)
-        emitted = sum(s.n_emitted for s in self.steps)
-        return emitted / forwards if forwards else float(emitted > 0)
+        forwards = 1 + sum(1 for s in self.steps if s.time_verify > 0)
+        return len(self.tokens) / forwards if self.tokens else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -165,6 +165,12 @@ class Tree:
         ch = self.children
         return [i for i in range(self.size) if not ch[i]]
 
+    def truncated(self, max_depth: int) -> "Tree":
+        """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""
+        if self.depth <= max_depth:
+            return self
+        return Tree(tuple(p for p in self.paths if len(p) <= max_depth), f"{self.name}@d{max_depth}")
+
     def key(self) -> tuple[Path_, ...]:
         """Identity of the topology (independent of the name)."""
         return self.paths

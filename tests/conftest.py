@@ -66,3 +66,37 @@ def random_heads(model, kind: str = "hydra", num_heads: int = 4, prefix: bool = 
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+def tiny_tokenizer():
+    """A small BPE tokenizer with a ChatML chat template, trained in memory (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
+              "paris is the capital.", "one two three four five six seven eight nine ten"] * 4
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<unk>", "<|im_end|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40])
+    tk.train_from_iterator(corpus, trainer)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", chat_template=template)
+
+
+def save_tiny_base(directory, family: str = "llama", seed: int = 0):
+    """Save a tiny model + tokenizer (vocab sized to the tokenizer) with save_pretrained."""
+    tok = tiny_tokenizer()
+    model = tiny_model(family, vocab=len(tok), seed=seed)
+    model.config.eos_token_id = tok.eos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    import torch
+
+    with torch.no_grad():  # keep EOS rare so that generations have several steps
+        model.get_output_embeddings().weight[tok.eos_token_id] = -model.get_output_embeddings().weight.abs().mean()
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return model, tok

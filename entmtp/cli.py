@@ -1,0 +1,229 @@
+"""Command line: `entmtp generate | train | search | score | bench` (also `python -m entmtp`).
+
+Every expected failure (bad file, unknown tree, missing heads, unreachable model) prints one
+line `error: ...` on stderr and exits with status 2 -- never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("baseline", "medusa", "hydra", "hydra++", "entmtp")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .checkpoints import CheckpointError
+    from .data import DataError
+    from .decoding import ContextError
+    from .models import ModelLoadError
+    from .trees import TreeError
+    from .verify import UnsupportedModelError
+
+    errs = [CLIError, CheckpointError, DataError, ContextError, ModelLoadError, TreeError, UnsupportedModelError,
+            FileNotFoundError, ValueError]
+    try:
+        from .train import TrainError
+
+        errs.append(TrainError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+# ---- shared options -------------------------------------------------------------------------
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct + our heads), a local path or a Hugging Face repo id")
+    p.add_argument("--base", default=None, help="base model path or id (alias of --model, for use with --heads)")
+    p.add_argument("--heads", default=None, help="head checkpoint: directory or repo id (ours, or the published Medusa/Hydra formats)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large base across GPUs (accelerate)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def method_heads(method: str, args) -> str | None:
+    """Name of the loaded heads a method uses (None = baseline)."""
+    if method == "baseline":
+        return None
+    if args.heads:
+        return "custom"
+    return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra"}[method]
+
+
+def load_engine_for(args, methods: list[str]):
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+
+    from .models import load_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = args.base or args.model
+    if args.heads:
+        heads = {"custom": args.heads}
+    else:
+        wanted = {method_heads(m, args) for m in methods} - {None}
+        if wanted and base != "default":
+            raise CLIError(f"--model {base} has no embedded heads: pass --heads PATH_OR_ID")
+        heads = {h: h for h in sorted(wanted)}
+    return load_engine(base, heads, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                       progress=lambda s: print(s, file=sys.stderr))
+
+
+def default_tree(engine, heads_name: str):
+    """The heads' calibrated tree when one is recorded, else mc_sim_7b_63 cut to the heads' depth."""
+    from .checkpoints import heads_meta
+    from .trees import TREES_DIR, resolve_tree
+
+    runner = engine.runners[heads_name]
+    meta = heads_meta(runner.heads)
+    name = meta.get("default_tree")
+    if name and (TREES_DIR / name).is_file():
+        return resolve_tree(str(TREES_DIR / name)).truncated(runner.config.num_heads)
+    return resolve_tree("mc_sim_7b_63").truncated(runner.config.num_heads)
+
+
+def render_user_prompt(engine, text: str, raw: bool = False) -> list[int]:
+    from .data import Prompt, render_prompt
+
+    if raw or engine.tokenizer is None:
+        return engine.tokenizer(text)["input_ids"]
+    return render_prompt(Prompt.from_text(text), engine.tokenizer)
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("prompt", help="the user message (rendered with the model's chat template)")
+    p.add_argument("--method", default="hydra", choices=METHODS)
+    p.add_argument("--tree", default=None, help="tree JSON file or name in trees/ (default: the heads' calibrated tree)")
+    p.add_argument("--scheduler", default=None, help="tree scheduler (see `entmtp generate --help`); default static")
+    p.add_argument("--bank", default=None, help="tree bank JSON for adaptive schedulers")
+    p.add_argument("--rule", default="auto", choices=["auto", "greedy", "sampling", "typical"],
+                   help="acceptance rule: auto = greedy at temperature 0, lossless speculative sampling otherwise")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print the whole trace as JSON")
+
+
+def build_scheduler(engine, heads_name, args):
+    """A tree or scheduler for `heads_name` from --tree / --scheduler / --bank."""
+    from . import scheduler as sched
+    from .trees import resolve_tree
+
+    tree = resolve_tree(args.tree) if args.tree else default_tree(engine, heads_name)
+    name = getattr(args, "scheduler", None) or ("entropy" if getattr(args, "method", "") == "entmtp" else "static")
+    if name == "static":
+        return sched.Scheduler(tree)
+    make = getattr(sched, "make_scheduler", None)
+    if make is None:
+        raise CLIError(f"scheduler {name!r} is not available in this version (only 'static')")
+    return make(name, engine=engine, heads=heads_name, tree=tree, bank=args.bank)
+
+
+def cmd_generate(args) -> int:
+    from .acceptance import Sampling
+    from .decoding import DecodeConfig
+
+    engine = load_engine_for(args, [args.method])
+    heads_name = method_heads(args.method, args)
+    sched = build_scheduler(engine, heads_name, args) if heads_name else None
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.top_p, args.top_k),
+                       rule=args.rule, stop_strings=tuple(args.stop), seed=args.seed,
+                       trace="full" if args.json else "summary")
+    ids = render_user_prompt(engine, args.prompt, args.raw)
+    t0 = time.perf_counter()
+    gen = engine.generate(ids, heads=heads_name, scheduler=sched, config=cfg)
+    printed = 0
+    for _ in gen:
+        if not args.json:
+            text = gen.final_text() if gen.done else gen.text
+            # Stream whole characters only; the tail may still be an incomplete byte sequence.
+            safe = text if gen.done else text.rstrip("\ufffd")
+            if len(safe) > printed:
+                sys.stdout.write(safe[printed:])
+                sys.stdout.flush()
+                printed = len(safe)
+    wall = time.perf_counter() - t0
+    res = gen.result
+    if args.json:
+        d = res.to_dict()
+        d["summary"]["wall_s"] = wall
+        print(json.dumps(d, ensure_ascii=False))
+        return 0
+    s = res.summary()
+    tree_desc = sched.trees[0].describe() if sched is not None and len(sched.trees) == 1 else (sched.name if sched else "none")
+    print()
+    print(f"-- {args.method}: {s['new_tokens']} tokens in {s['steps']} steps, tau {s['tau']:.2f}, "
+          f"{s['new_tokens'] / wall:.1f} tokens/s, stop: {s['stop_reason']}, tree: {tree_desc}", file=sys.stderr)
+    for n in res.notices:
+        print(f"-- notice: {n}", file=sys.stderr)
+    return 0
+
+
+# ---- entry point -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="entmtp", description="Tree speculative decoding with Medusa / Hydra / Hydra++ heads.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate an answer and print per-step statistics")
+    add_generate_args(g)
+    g.set_defaults(func=cmd_generate)
+    try:
+        from . import train
+    except ImportError:
+        train = None
+    if train is not None and hasattr(train, "add_arguments"):
+        t = sub.add_parser("train", help="train Medusa / Hydra / Hydra++ heads on a frozen base")
+        train.add_arguments(t)
+        t.set_defaults(func=train.main)
+    for modname, cmds in (("search", ("search", "score")), ("bench", ("bench",))):
+        try:
+            mod = __import__(f"entmtp.{modname}", fromlist=["x"])
+        except ImportError:
+            continue
+        for c in cmds:
+            adder = getattr(mod, f"add_{c}_arguments", None)
+            runner = getattr(mod, f"cmd_{c}", None)
+            if adder and runner:
+                sp = sub.add_parser(c, help=(runner.__doc__ or "").strip().splitlines()[0] if runner.__doc__ else None)
+                adder(sp)
+                sp.set_defaults(func=runner)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    errors = _user_errors()
+    try:
+        return int(args.func(args) or 0)
+    except errors as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The command line: generate with any base + any heads, JSON traces, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import random_heads, save_tiny_base
+from entmtp import cli
+from entmtp.checkpoints import save_heads
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    model, tok = save_tiny_base(d / "base")
+    save_heads(random_heads(model, "hydra", num_heads=4), d / "hydra")
+    save_heads(random_heads(model, "medusa", num_heads=3), d / "medusa")
+    return d
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_trace_matches_baseline(tiny, capsys):
+    base = ["generate", "--base", str(tiny / "base"), "hello world", "--max-new-tokens", "12", "--json"]
+    code, out, _ = run(capsys, *base, "--method", "baseline")
+    assert code == 0
+    ref = json.loads(out)
+    for heads, tree in (("hydra", "mc_sim_7b_63"), ("medusa", "wide3_chain2")):
+        code, out, _ = run(capsys, *base, "--method", "hydra", "--heads", str(tiny / heads), "--tree", tree)
+        assert code == 0
+        got = json.loads(out)
+        assert got["tokens"] == ref["tokens"]
+        assert got["summary"]["new_tokens"] == len(got["tokens"])
+        step = next(s for s in got["steps"] if s["time_verify"])
+        assert step["n_nodes"] > 0 and len(step["token_texts"]) == step["n_nodes"] + 1
+
+
+def test_generate_prints_answer_and_summary(tiny, capsys):
+    code, out, err = run(capsys, "generate", "--base", str(tiny / "base"), "--heads", str(tiny / "hydra"),
+                         "--tree", "chain_3", "hello", "--max-new-tokens", "8")
+    assert code == 0 and "tau" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tree", "no_such_tree"], "unknown tree"),
+    (["--heads", "/nonexistent/heads"], "heads not found"),
+    (["--tree", "chain_5"], "exceeds the 4 draft heads"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_errors_are_one_line(tiny, capsys, extra, needle):
+    args = ["generate", "--base", str(tiny / "base"), "--method", "hydra", "hello", "--max-new-tokens", "4"]
+    if "--heads" not in extra:
+        args += ["--heads", str(tiny / "hydra")]
+    code, out, err = run(capsys, *args, *extra)
+    assert code == 2
+    assert err.strip().startswith("error:") and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_malformed_tree_file(tiny, capsys, tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text('{"paths": [[0], [1, 1]]}')
+    code, _, err = run(capsys, "generate", "--base", str(tiny / "base"), "--heads", str(tiny / "hydra"),
+                       "--tree", str(bad), "hi")
+    assert code == 2 and "[1, 1] has no parent [1]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_heads_for_another_hidden_size(tiny, capsys, tmp_path):
+    import transformers
+
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=90, hidden_size=48, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=4))
+    save_heads(random_heads(other, "hydra"), tmp_path / "h48")
+    code, _, err = run(capsys, "generate", "--base", str(tiny / "base"), "--heads", str(tmp_path / "h48"), "hi")
+    assert code == 2 and "hidden size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_without_heads_needs_heads(tiny, capsys):
+    code, _, err = run(capsys, "generate", "--model", str(tiny / "base"), "--method", "medusa", "hi")
+    assert code == 2 and "--heads" in err
+
+
+def test_python_dash_m_entry_point(tiny):
+    p = subprocess.run([sys.executable, "-m", "entmtp", "generate", "--base", str(tiny / "base"), "--method", "baseline",
+                        "hello", "--max-new-tokens", "5", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["tokens"]) <= 5
