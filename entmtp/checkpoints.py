@@ -96,8 +96,15 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
-def load_heads(path: str | Path) -> DraftHeads:
-    """Load heads from a directory in our format or a published Medusa / Hydra format."""
+def load_heads(path: str | Path, base_config=None) -> DraftHeads:
+    """Load heads from a directory in our format or a published Medusa / Hydra format.
+
+    `base_config` (the base model's transformers config) lets the loader check that the
+    heads fit the base (hidden size, vocabulary); published Hydra++ checkpoints need it for
+    the prefix layer's shape (else it is looked up from their `base_model_name_or_path`).
+    """
+    from . import published  # published formats live apart from ours
+
     d = Path(path)
     if not d.exists():
         raise CheckpointError(f"head checkpoint not found: {d}")
@@ -105,10 +112,10 @@ def load_heads(path: str | Path) -> DraftHeads:
         d = d.parent
     raw = read_config(d / CONFIG_FILE)
     if (d / WEIGHTS_FILE).is_file() and str(raw.get("format", "")).startswith("entmtp-heads"):
-        return _load_ours(d, raw)
-    from . import published  # published formats live apart from ours
-
-    return published.load_published(d, raw)
+        heads = _load_ours(d, raw)
+        published.check_base(heads.config, base_config, str(d))
+        return heads
+    return published.load_published(d, raw, base_config=base_config)
 
 
 def _load_ours(d: Path, raw: dict) -> DraftHeads:

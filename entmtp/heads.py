@@ -44,6 +44,9 @@ class HeadsConfig:
     shared_lm_head: bool = True  # use the frozen base lm_head (not stored)
     lm_head_bias: bool = False  # per-head LM heads only (Hydra's published heads have a bias)
     shared_block: bool = False  # published quirk: one block object applied L-1 times
+    # Published Medusa quirk (`[ResBlock(h)] * L`): *all* L blocks are one object, the first
+    # one included. Only for kind "medusa", whose first block is h -> h like the others.
+    shared_all_blocks: bool = False
     draft_vocab_size: Optional[int] = None  # heads score only these token ids
     # Hydra++ decoder-layer shape (copied from the base config)
     num_attention_heads: int = 0
@@ -60,8 +63,9 @@ class HeadsConfig:
             raise ValueError(f"heads kind must be 'medusa' or 'hydra', got {self.kind!r}")
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError("num_heads and num_layers must be >= 1")
-        if self.prefix_layer and self.kind != "hydra":
-            raise ValueError("the Hydra++ prefix layer needs kind='hydra'")
+        # prefix_layer with kind "medusa": Hydra's ungrounded "prefix-mlp" checkpoints.
+        if self.shared_all_blocks and self.kind != "medusa":
+            raise ValueError("shared_all_blocks needs kind='medusa' (a Hydra head's first block is wider)")
         if self.prefix_layer and not (self.num_attention_heads and self.intermediate_size):
             raise ValueError("the Hydra++ prefix layer needs num_attention_heads and intermediate_size")
 
@@ -220,7 +224,9 @@ class DraftHeads(nn.Module):
         for k in range(cfg.num_heads):
             first_in = (k + 2) * h if cfg.kind == "hydra" else h
             layers = [ResBlock(first_in, h)]
-            if cfg.num_layers > 1:
+            if cfg.shared_all_blocks:
+                layers = layers * cfg.num_layers  # one object applied L times
+            elif cfg.num_layers > 1:
                 if cfg.shared_block:
                     shared = ResBlock(h, h)
                     layers += [shared] * (cfg.num_layers - 1)
