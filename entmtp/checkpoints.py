@@ -89,7 +89,10 @@ def _names(keys: list[str], limit: int = 6) -> str:
 
 def read_config(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        return data
     except FileNotFoundError:
         raise CheckpointError(f"{path.parent}: no {path.name}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
