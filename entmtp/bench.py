@@ -1,0 +1,283 @@
+"""Side-by-side benchmarks: `entmtp bench`.
+
+Every method decodes the same prompts in one run, interleaved (the method order rotates per
+prompt so drift in machine load hits every method alike), after a warm-up; each (prompt,
+method) keeps the median of `--repeats` runs. Reported per method and per category:
+tokens/s, tau (tokens per base forward, counted with a forward hook for transformers'
+methods), speedup against `hf` (transformers' `generate`) and the share of prompts whose
+output is token-identical to `hf`.
+
+Methods: hf (transformers greedy `generate`), pld (transformers prompt-lookup decoding),
+baseline (our autoregressive loop), medusa, hydra, hydra++ (our heads with their best
+static tree), entmtp (Hydra heads + the entropy-aware scheduler and its bank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+ALL_METHODS = ("hf", "pld", "baseline", "medusa", "hydra", "hydra++", "entmtp")
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    category: str
+    method: str
+    repeat: int
+    new_tokens: int
+    seconds: float
+    forwards: int
+    tokens: list[int] = field(repr=False)
+    bookkeeping_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+
+class ForwardCounter:
+    """Counts base-model forwards (a forward pre-hook), to get tau for transformers' methods."""
+
+    def __init__(self, model):
+        self.n = 0
+        self._h = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+    def close(self):
+        self._h.remove()
+
+
+def _sync(engine):
+    import torch
+
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[int]], tuple[list[int], int, float, float]]]:
+    """method -> fn(ids) returning (new tokens, forwards, bookkeeping seconds, step seconds)."""
+    import torch
+
+    from .cli import build_scheduler, method_heads
+    from .decoding import DecodeConfig
+
+    n = args.max_new_tokens
+    eos = engine.eos_ids()
+    cfg = DecodeConfig(max_new_tokens=n)
+    runners = {}
+
+    def hf(extra):
+        def run(ids):
+            x = torch.tensor([ids], device=engine.device)
+            c = ForwardCounter(engine.model)
+            try:
+                out = engine.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                            eos_token_id=list(eos) or None, pad_token_id=(eos[0] if eos else None), **extra)
+            finally:
+                c.close()
+            return out[0, len(ids):].tolist(), c.n, 0.0, 0.0
+        return run
+
+    for m in methods:
+        if m == "hf":
+            runners[m] = hf({})
+        elif m == "pld":
+            runners[m] = hf({"prompt_lookup_num_tokens": args.pld_tokens})
+        else:
+            heads = method_heads(m, args)
+            sched = build_scheduler(engine, heads, argparse.Namespace(tree=args.tree, scheduler=args.scheduler if m == "entmtp" else None,
+                                                                      bank=args.bank, method=m)) if heads else None
+
+            def run(ids, heads=heads, sched=sched):
+                r = engine.run(ids, heads=heads, scheduler=sched, config=cfg)
+                step_s = sum(s.time_total for s in r.steps)
+                return r.tokens, 1 + sum(1 for s in r.steps if s.time_verify > 0), sum(s.time_bookkeeping for s in r.steps), step_s
+            runners[m] = run
+    return runners
+
+
+def run_bench(engine, prompts, methods: list[str], args, progress: Optional[Callable[[str], None]] = None) -> list[Run]:
+    from .data import render_prompt
+
+    runners = make_runners(engine, methods, args)
+    rendered = [(p.id, p.category or "all", render_prompt(p, engine.tokenizer)) for p in prompts]
+    # Warm-up: every method once on the first prompt (first-touch memory, lazy inits).
+    for m in methods:
+        runners[m](rendered[0][2][:64])
+    runs: list[Run] = []
+    for i, (pid, cat, ids) in enumerate(rendered):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        for rep in range(args.repeats):
+            for m in order:
+                _sync(engine)
+                t0 = time.perf_counter()
+                toks, fwd, book, step = runners[m](ids)
+                _sync(engine)
+                dt = time.perf_counter() - t0
+                runs.append(Run(pid, cat, m, rep, len(toks), dt, fwd, toks, book, step))
+        if progress:
+            progress(f"prompt {i + 1}/{len(rendered)}")
+    return runs
+
+
+def summarize(runs: list[Run], methods: list[str]) -> dict:
+    """Medians per (prompt, method), then aggregates per method and per category."""
+    by: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        by.setdefault((r.prompt_id, r.method), []).append(r)
+    med: dict[tuple[str, str], Run] = {}
+    for k, rs in by.items():
+        rs = sorted(rs, key=lambda r: r.seconds)
+        med[k] = rs[len(rs) // 2]
+    prompts = sorted({k[0] for k in med})
+    cats = {r.prompt_id: r.category for r in runs}
+
+    def agg(ms: list[Run], ref: list[Run] | None) -> dict:
+        toks = sum(r.new_tokens for r in ms)
+        secs = sum(r.seconds for r in ms)
+        fwd = sum(r.forwards for r in ms)
+        out = {"prompts": len(ms), "new_tokens": toks, "seconds": secs,
+               "tokens_per_s": toks / secs if secs else 0.0, "tau": toks / fwd if fwd else 0.0}
+        step = sum(r.step_s for r in ms)
+        if step:
+            out["bookkeeping_share"] = sum(r.bookkeeping_s for r in ms) / step
+        if ref is not None:
+            rtoks, rsecs = sum(r.new_tokens for r in ref), sum(r.seconds for r in ref)
+            out["speedup_vs_hf"] = out["tokens_per_s"] / (rtoks / rsecs) if rsecs and rtoks else None
+            out["identical_to_hf"] = sum(a.tokens == b.tokens for a, b in zip(ms, ref)) / len(ms) if ms else None
+        return out
+
+    summary: dict = {"methods": {}, "categories": {}}
+    has_hf = "hf" in methods
+    for m in methods:
+        ms = [med[(p, m)] for p in prompts]
+        ref = [med[(p, "hf")] for p in prompts] if has_hf else None
+        summary["methods"][m] = agg(ms, ref)
+    for c in sorted(set(cats.values())):
+        ps = [p for p in prompts if cats[p] == c]
+        summary["categories"][c] = {m: agg([med[(p, m)] for p in ps], [med[(p, "hf")] for p in ps] if has_hf else None)
+                                    for m in methods}
+    summary["per_prompt"] = {p: {m: {"tokens_per_s": med[(p, m)].tokens_per_s, "tau": med[(p, m)].tau,
+                                     "new_tokens": med[(p, m)].new_tokens} for m in methods} for p in prompts}
+    return summary
+
+
+def markdown_table(summary: dict, methods: list[str]) -> str:
+    lines = ["| method | tokens/s | tau | speedup vs hf | identical to hf | bookkeeping share |",
+             "|---|---|---|---|---|---|"]
+    for m in methods:
+        s = summary["methods"][m]
+        sp = s.get("speedup_vs_hf")
+        ident = s.get("identical_to_hf")
+        book = s.get("bookkeeping_share")
+        lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} | {'' if sp is None else f'{sp:.2f}x'} | "
+                     f"{'' if ident is None else f'{ident:.0%}'} | {'' if book is None else f'{book:.1%}'} |")
+    return "\n".join(lines)
+
+
+def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str], meta: dict) -> None:
+    import plotly.graph_objects as go
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({**summary, "meta": meta}, indent=1) + "\n")
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt_id", "category", "method", "repeat", "new_tokens", "seconds", "tokens_per_s", "forwards", "tau",
+                    "bookkeeping_s", "step_s"])
+        for r in runs:
+            w.writerow([r.prompt_id, r.category, r.method, r.repeat, r.new_tokens, f"{r.seconds:.5f}", f"{r.tokens_per_s:.3f}",
+                        r.forwards, f"{r.tau:.4f}", f"{r.bookkeeping_s:.5f}", f"{r.step_s:.5f}"])
+    table = markdown_table(summary, methods)
+    cat_lines = []
+    if len(summary["categories"]) > 1:
+        cat_lines = ["", "Speedup vs hf per category:", "", "| category | " + " | ".join(methods) + " |",
+                     "|---|" + "---|" * len(methods)]
+        for c, ms in summary["categories"].items():
+            cat_lines.append(f"| {c} | " + " | ".join(
+                f"{ms[m].get('speedup_vs_hf') or 0:.2f}x" if "hf" in methods else f"{ms[m]['tokens_per_s']:.1f}" for m in methods) + " |")
+    md = [f"# entmtp bench", "", f"`{meta['command']}`", "",
+          f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
+          f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']}.", "",
+          table, *cat_lines, ""]
+    (out / "report.md").write_text("\n".join(md))
+    fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
+                           text=[f"{summary['methods'][m].get('speedup_vs_hf') or 0:.2f}x" for m in methods] if "hf" in methods else None))
+    fig.update_layout(title="tokens/s (label: speedup vs hf)", yaxis_title="tokens/s")
+    figs = [fig]
+    if len(summary["categories"]) > 1 and "hf" in methods:
+        cf = go.Figure()
+        for m in methods:
+            cf.add_bar(name=m, x=list(summary["categories"]), y=[summary["categories"][c][m].get("speedup_vs_hf") for c in summary["categories"]])
+        cf.update_layout(title="speedup vs hf per category", barmode="group")
+        figs.append(cf)
+    html = "".join(f.to_html(full_html=False, include_plotlyjs=("cdn" if i else True)) for i, f in enumerate(figs))
+    (out / "report.html").write_text(f"<html><body><h1>entmtp bench</h1><pre>{meta['command']}</pre>{html}</body></html>")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli import add_model_args
+
+    add_model_args(p)
+    p.add_argument("--prompts", default=None, help="prompt file (any format the loader reads); default: the bundled bench set")
+    p.add_argument("--methods", default="hf,pld,baseline,medusa,hydra,entmtp")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--tree", default=None, help="override the static tree of medusa / hydra")
+    p.add_argument("--scheduler", default=None, help="override entmtp's scheduler")
+    p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
+    p.add_argument("--out", default="runs/bench")
+
+
+def cmd_bench(args) -> int:
+    """benchmark hf / pld / baseline / medusa / hydra / entmtp side by side"""
+    from .cli import CLIError, load_engine_for
+    from .data import bundled_prompts, load_prompts
+    from .models import describe_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        raise CLIError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
+    ps = load_prompts(args.prompts or bundled_prompts("bench"))
+    prompts = ps.prompts[: args.limit] if args.limit else ps.prompts
+    for e in ps.skipped[:5]:
+        print(f"skipped {e}", file=sys.stderr)
+    engine = load_engine_for(args, [m for m in methods if m not in ("hf", "pld")])
+    command = "entmtp bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "entmtp bench"
+    print(f"# {command}", file=sys.stderr)
+    runs = run_bench(engine, prompts, methods, args, progress=lambda s: print(s, file=sys.stderr, end="\r"))
+    summary = summarize(runs, methods)
+    meta = {"command": command, "model": describe_model(engine.model), "dtype": args.dtype, "device": str(engine.device),
+            "prompts": len(prompts), "prompt_file_sha256": ps.sha256, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+            "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
+    write_reports(Path(args.out), runs, summary, methods, meta)
+    print(file=sys.stderr)
+    print(markdown_table(summary, methods))
+    if "baseline" in methods and "hf" in methods:
+        b = summary["methods"]["baseline"]
+        print(f"\nbaseline / hf tokens/s ratio: {b['speedup_vs_hf']:.3f}; "
+              f"engine bookkeeping share of step time: {b.get('bookkeeping_share', 0):.1%} (baseline), " + ", ".join(
+                  f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in methods if m not in ("hf", "pld", "baseline")))
+    print(f"reports: {args.out}/summary.json, runs.csv, report.md, report.html")
+    return 0
