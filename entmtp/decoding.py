@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from .acceptance import AcceptanceRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
-from .scheduler import Scheduler, StepSignals, as_scheduler
+from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
 from .trees import Tree
 from .verify import check_tree_support, forward, keep_cache_entries, max_context, tree_mask
@@ -228,28 +228,31 @@ class Generation:
             self.done = True
             self.stop_reason = reason
 
-    def _choose_tree(self) -> tuple[Tree, Optional[dict]]:
+    def _choose_tree(self):
+        """(tree, reason, draft or None) for this step, from the scheduler and this step's signals."""
         if self.runner is None or self.scheduler is None:
-            return ROOT_ONLY, None
+            return ROOT_ONLY, None, None
         s = self.scheduler
         sig = StepSignals(step=len(self.steps), history=tuple(st.accept_length for st in self.steps[-16:]))
+        root_t = torch.tensor(self.root, device=self.device)
         if s.needs_root:
             sig.root_entropy, sig.root_prob = _entropy_prob(self.root_logits, self.root)
         if s.needs_draft:
-            lg = self.runner.first_level(self.feature, torch.tensor(self.root, device=self.device))
-            sig.draft_entropy, top1_lp = _entropy_prob(lg, int(lg.argmax()))
-            sig.draft_top1 = top1_lp
+            lg = self.runner.first_level(self.feature, root_t)
+            sig.draft_entropy, sig.draft_top1 = _entropy_prob(lg, int(lg.argmax()))
+        if s.needs_context:
+            sig.context = DraftContext(self.runner, self.feature, root_t)
         d = s.choose(sig)
         reason = {"scheduler": s.name, "tree": d.tree.name, **d.reason}
         if s.needs_root or s.needs_draft:
-            reason["signals"] = {k: v for k, v in sig.__dict__.items() if k not in ("history",) and not (isinstance(v, float) and math.isnan(v))}
-        return d.tree, reason
+            reason["signals"] = {k: v for k, v in vars(sig).items()
+                                 if isinstance(v, float) and not math.isnan(v)}
+        return d.tree, reason, d.draft
 
     def _step(self) -> Step:
         cfg, dev, m = self.config, self.device, self.engine.model
         t0 = time.perf_counter()
         remaining = cfg.max_new_tokens - len(self.tokens)
-        tree, reason = self._choose_tree()
         room = self.engine.max_context - self.past
         if remaining <= 1 or self.root in self.eos or room < 1:
             # The root is already decided: emitting it needs no forward.
@@ -261,17 +264,20 @@ class Generation:
                 emitted = self._emit([self.root])
             self._finish(self.stop_reason or "max_new_tokens")
             return Step(len(self.steps), "emit_only", 0, [self.root], [-1], [0], emitted, None, 0.0, 0.0,
-                        time.perf_counter() - t0, scheduler=reason)
+                        time.perf_counter() - t0)
+        tree, reason, ready = self._choose_tree()
+        t_sched = time.perf_counter() - t0
+        t0 = time.perf_counter()
         if tree.size > room:
             self.notices.append(f"step {len(self.steps)}: tree of {tree.size} tokens does not fit the {room} positions left; drafting skipped")
-            tree = ROOT_ONLY
+            tree, ready = ROOT_ONLY, None
         full = cfg.trace == "full"
         root_t = torch.tensor(self.root, device=dev)
 
         # -- draft
         draft = None
         if tree.n_nodes:
-            draft = self.runner.draft(tree, self.feature, root_t, with_stats=full)
+            draft = ready if ready is not None else self.runner.draft(tree, self.feature, root_t, with_stats=full)
             tree_tokens = draft.tokens
         else:
             tree_tokens = root_t.view(1)
@@ -306,7 +312,8 @@ class Generation:
         bonus = acc.bonus
         self.root = bonus
         step = Step(len(self.steps), tree.name or f"{tree.n_nodes}-node", tree.n_nodes, tokens, tree.parent_list,
-                    acc.path, emitted, None if self.done else bonus, t1 - t0, t2 - t1, 0.0, scheduler=reason)
+                    acc.path, emitted, None if self.done else bonus, t1 - t0, t2 - t1, 0.0, scheduler=reason,
+                    time_schedule=t_sched)
         if full:
             self._fill_full_trace(step, tree, draft, logits, prev_root_logits)
         _sync(dev)

@@ -21,6 +21,7 @@ LM-head weights), and per-request state (the Hydra++ layer's KV) lives in `Prefi
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -406,6 +407,55 @@ class HeadRunner:
                 emb = self.embed(tok[exp]).to(rows.dtype)
                 rows = torch.cat([rows[prow[exp]], emb], dim=-1)
         return Draft(tokens, probs, ents)
+
+    @torch.no_grad()
+    def grow(self, feature: torch.Tensor, root: torch.Tensor, depth: int, topk: int, beam: int,
+             budget: int) -> tuple[Tree, Draft]:
+        """EAGLE-2 style dynamic tree from this step's head outputs.
+
+        Per depth, the `beam` best nodes by cumulative draft log-probability are expanded
+        with their `topk` children; the `budget` best nodes overall form the tree (a child's
+        cumulative log-probability never exceeds its parent's, so the choice is prefix-closed).
+        Returns the tree and its draft (tokens, probabilities, entropies in canonical order).
+        """
+        D = min(depth, self.config.num_heads)
+        hydra = self.config.kind == "hydra"
+        rows = torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
+        parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+        cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
+        for d in range(1, D + 1):
+            logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd] (R = 1 for Medusa)
+            lp = torch.log_softmax(logits.float(), -1)
+            ent = (-(lp.exp() * lp).sum(-1)).tolist()
+            top = torch.topk(lp, topk, dim=-1)
+            vals, toks = top.values.tolist(), self._map(top.indices).tolist()
+            level = []
+            for i, (path, score) in enumerate(parents):
+                r = i if hydra else 0
+                for j in range(topk):
+                    q = path + (j,)
+                    cand[q] = (score + vals[r][j], toks[r][j], math.exp(vals[r][j]), ent[r])
+                    level.append((q, score + vals[r][j], i, toks[r][j]))
+            level.sort(key=lambda x: -x[1])
+            keep = level[:beam]
+            if d < D and hydra:
+                sel = torch.tensor([x[2] for x in keep], device=rows.device)
+                emb = self.embed(torch.tensor([x[3] for x in keep], device=rows.device)).to(rows.dtype)
+                rows = torch.cat([rows[sel], emb], dim=-1)
+            parents = [(x[0], x[1]) for x in keep]
+        ranked = sorted(cand, key=lambda q: (-cand[q][0], len(q), q))
+        chosen: set[tuple[int, ...]] = set()
+        for q in ranked:
+            if len(chosen) >= budget:
+                break
+            if all(q[:k] in chosen for k in range(1, len(q))):
+                chosen.add(q)
+        tree = Tree.from_paths([list(q) for q in chosen], f"dynamic-{len(chosen)}")
+        order = tree.paths
+        tokens = torch.tensor([int(root)] + [cand[q][1] for q in order], device=self.device)
+        probs = torch.tensor([float("nan")] + [cand[q][2] for q in order], device=self.device)
+        ents = torch.tensor([float("nan")] + [cand[q][3] for q in order], device=self.device)
+        return tree, Draft(tokens, probs, ents)
 
     @torch.no_grad()
     def first_level(self, feature: torch.Tensor, root: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,36 @@
 """Tree schedulers: choose each step's draft tree.
 
-A scheduler sees this step's signals before drafting (the base model's entropy and top-1
-probability of the distribution that produced the root, the first draft head's entropy at
-the root, the recent acceptance history) and picks a tree from a bank of pre-built trees
-(buffers built once; a switch is a reference swap). After verification it is told the
-accepted length. One scheduler object per generation: `fresh()` returns a new instance
-that shares the (immutable) trees.
+A scheduler sees this step's signals before drafting -- the base model's entropy and top-1
+probability of the distribution that produced the root, the first draft head's entropy and
+top-1 probability at the root (computed in this step), the recent acceptance history -- and
+picks a tree from a bank of pre-built trees (buffers built once; a switch is a reference
+swap). After verification it is told the accepted length. Each generation works on its own
+`fresh()` copy, which shares the immutable trees.
+
+Policies:
+* `Scheduler` (static): one tree.
+* `LadderScheduler`: entmtp's threshold ladder -- a confidence signal against ascending
+  thresholds picks a rung (a bigger tree when the model is more certain).
+* `HysteresisScheduler`: entmtp's two-tree switch with hysteresis on the same signal.
+* `EntropyBucketScheduler`: buckets of the root entropy (optionally the draft entropy) map
+  to trees; the table is fitted by the topology lab from calibration statistics (per bucket,
+  the tree with the best expected tokens/s) and stored as a bank JSON.
+* `DynamicScheduler`: EAGLE-2 style; grows each step's tree by cumulative draft
+  log-probability under a node budget (the tree is built from this step's head outputs).
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
-from .trees import Tree
+import torch
+
+from .trees import Tree, TreeError, dumps_compact, tree_from_json
 
 
 @dataclass
@@ -24,20 +41,32 @@ class StepSignals:
     draft_entropy: float = float("nan")  # first draft head's entropy at the root (this step)
     draft_top1: float = float("nan")  # first draft head's top-1 probability at the root
     history: tuple[int, ...] = ()  # accepted lengths of the previous steps (most recent last)
+    context: Any = field(default=None, repr=False)  # DraftContext for schedulers that draft
+
+
+@dataclass
+class DraftContext:
+    """What a drafting scheduler needs: the heads and this step's head feature and root."""
+
+    runner: Any
+    feature: torch.Tensor
+    root: torch.Tensor
 
 
 @dataclass
 class Decision:
     tree: Tree
     reason: dict[str, Any] = field(default_factory=dict)
+    draft: Any = None  # a ready Draft when the scheduler drafted the tree itself
 
 
 class Scheduler:
-    """Base class: a static scheduler over one tree. Subclasses override `choose`."""
+    """Static: always the same tree. Subclasses override `choose` (and `update`)."""
 
     name = "static"
     needs_root = False  # compute root entropy/probability before choosing
     needs_draft = False  # compute the first head level's entropy before choosing
+    needs_context = False  # pass the DraftContext (drafting schedulers)
 
     def __init__(self, tree: Tree):
         self.tree = tree
@@ -63,7 +92,210 @@ class Scheduler:
 StaticScheduler = Scheduler
 
 
-def as_scheduler(x: Optional[Scheduler | Tree]) -> Optional[Scheduler]:
+def _signal(s: StepSignals, name: str) -> float:
+    if name == "root_confidence":  # 1 - normalised root entropy proxy: the base's top-1 prob
+        return s.root_prob
+    if name == "neg_root_entropy":
+        return -s.root_entropy
+    if name == "neg_draft_entropy":
+        return -s.draft_entropy
+    if name == "recent_accept":
+        return sum(s.history[-4:]) / max(1, len(s.history[-4:]))
+    return float(getattr(s, name))
+
+
+class LadderScheduler(Scheduler):
+    """trees[i] is used when thresholds[i-1] <= signal < thresholds[i] (ascending thresholds)."""
+
+    name = "ladder"
+    needs_root = True
+
+    def __init__(self, trees: list[Tree], thresholds: list[float], signal: str = "root_prob"):
+        if len(trees) != len(thresholds) + 1:
+            raise ValueError("a ladder needs one more tree than thresholds")
+        if list(thresholds) != sorted(thresholds):
+            raise ValueError("ladder thresholds must be ascending")
+        self.rungs, self.thresholds, self.signal = list(trees), list(thresholds), signal
+        self.needs_draft = "draft" in signal
+        self.tree = self.rungs[0]
+
+    @property
+    def trees(self) -> list[Tree]:
+        return self.rungs
+
+    def choose(self, s: StepSignals) -> Decision:
+        v = _signal(s, self.signal)
+        i = 0 if math.isnan(v) else bisect.bisect_right(self.thresholds, v)
+        return Decision(self.rungs[i], {"signal": self.signal, "value": v, "rung": i})
+
+
+class HysteresisScheduler(Scheduler):
+    """Two trees: go aggressive when signal >= high, back to conservative when signal < low."""
+
+    name = "hysteresis"
+    needs_root = True
+
+    def __init__(self, conservative: Tree, aggressive: Tree, low: float, high: float, signal: str = "root_prob"):
+        if low > high:
+            raise ValueError("hysteresis needs low <= high")
+        self.conservative, self.aggressive, self.low, self.high, self.signal = conservative, aggressive, low, high, signal
+        self.needs_draft = "draft" in signal
+        self.tree = conservative
+        self.state = False
+
+    @property
+    def trees(self) -> list[Tree]:
+        return [self.conservative, self.aggressive]
+
+    def fresh(self) -> "HysteresisScheduler":
+        return HysteresisScheduler(self.conservative, self.aggressive, self.low, self.high, self.signal)
+
+    def choose(self, s: StepSignals) -> Decision:
+        v = _signal(s, self.signal)
+        if not math.isnan(v):
+            if not self.state and v >= self.high:
+                self.state = True
+            elif self.state and v < self.low:
+                self.state = False
+        return Decision(self.aggressive if self.state else self.conservative,
+                        {"signal": self.signal, "value": v, "aggressive": self.state})
+
+
+class EntropyBucketScheduler(Scheduler):
+    """Bucket the root entropy (and optionally the first draft head's entropy); each bucket has a tree.
+
+    edges: ascending bucket boundaries of root entropy (nats); table[i] is the tree name of
+    bucket i (len(edges) + 1 buckets). With draft_edges, the table is 2-D: table[i][j].
+    """
+
+    name = "entropy"
+    needs_root = True
+
+    def __init__(self, trees: dict[str, Tree], edges: list[float], table: list, draft_edges: Optional[list[float]] = None,
+                 meta: Optional[dict] = None):
+        self.bank, self.edges, self.table = dict(trees), list(edges), table
+        self.draft_edges = list(draft_edges) if draft_edges else None
+        self.needs_draft = self.draft_edges is not None
+        self.meta = meta or {}
+        names = [n for row in table for n in (row if isinstance(row, list) else [row])]
+        missing = sorted(set(names) - set(self.bank))
+        if missing:
+            raise TreeError(f"entropy bank table names unknown trees: {', '.join(missing)}")
+        if len(table) != len(edges) + 1:
+            raise TreeError(f"entropy bank needs {len(edges) + 1} table rows for {len(edges)} edges, got {len(table)}")
+        self.tree = self.bank[names[0]]
+
+    @property
+    def trees(self) -> list[Tree]:
+        return list(self.bank.values())
+
+    def choose(self, s: StepSignals) -> Decision:
+        e = s.root_entropy
+        i = len(self.edges) // 2 if math.isnan(e) else bisect.bisect_right(self.edges, e)
+        row = self.table[i]
+        j = None
+        if self.draft_edges is not None:
+            d = s.draft_entropy
+            j = len(self.draft_edges) // 2 if math.isnan(d) else bisect.bisect_right(self.draft_edges, d)
+            name = row[j]
+        else:
+            name = row
+        reason = {"bucket": i if j is None else [i, j], "tree": name}
+        return Decision(self.bank[name], reason)
+
+    # ---- bank files -------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"policy": "entropy", "signal": "root_entropy", "edges": self.edges, "draft_edges": self.draft_edges,
+                "table": self.table, "trees": {n: [list(p) for p in t.paths] for n, t in self.bank.items()}, "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(dumps_compact(self.to_json()))
+
+
+def load_bank(path: str | Path) -> EntropyBucketScheduler:
+    """Load an entropy bank JSON; every failure is a TreeError with a one-line message."""
+    p = Path(path)
+    if not p.is_file():
+        raise TreeError(f"bank file not found: {p}")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TreeError(f"{p.name}: invalid JSON ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("trees"), dict) or "edges" not in d or "table" not in d:
+        raise TreeError(f"{p.name}: a bank needs 'trees', 'edges' and 'table'")
+    trees = {n: tree_from_json(paths, n) for n, paths in d["trees"].items()}
+    return EntropyBucketScheduler(trees, [float(x) for x in d["edges"]], d["table"], d.get("draft_edges"), d.get("meta"))
+
+
+class DynamicScheduler(Scheduler):
+    """EAGLE-2 style: each step's tree is grown from this step's draft probabilities.
+
+    Per depth the `beam` best nodes by cumulative draft log-probability are expanded with
+    `topk` children; the best `budget` nodes form the tree (see `HeadRunner.grow`).
+    """
+
+    name = "dynamic"
+    needs_context = True
+
+    def __init__(self, budget: int = 32, depth: int = 4, topk: int = 8, beam: int = 8):
+        self.budget, self.depth, self.topk, self.beam = budget, depth, topk, beam
+        self.tree = Tree.chain(depth)  # the deepest shape it can produce (for depth checks)
+
+    @property
+    def trees(self) -> list[Tree]:
+        return [self.tree]
+
+    def choose(self, s: StepSignals) -> Decision:
+        ctx: DraftContext = s.context
+        tree, draft = ctx.runner.grow(ctx.feature, ctx.root, self.depth, self.topk, self.beam, self.budget)
+        return Decision(tree, {"nodes": tree.n_nodes, "depth": tree.depth}, draft=draft)
+
+
+def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree: Optional[Tree] = None,
+                   bank: Optional[str] = None, **kw) -> Scheduler:
+    """Build a scheduler by name: static, ladder, hysteresis, entropy, dynamic."""
+    from .trees import resolve_tree
+
+    if name == "static":
+        if tree is None:
+            raise ValueError("the static scheduler needs a tree")
+        return Scheduler(tree)
+    if name == "dynamic":
+        return DynamicScheduler(**{k: v for k, v in kw.items() if k in ("budget", "depth", "topk", "beam")})
+    if name == "entropy":
+        if bank is None:
+            bank = default_bank_path(engine, heads)
+        return load_bank(bank)
+    if name in ("ladder", "hysteresis"):
+        # The seed's defaults: small / medium / large trees by the root's top-1 probability.
+        if bank is not None:
+            b = load_bank(bank)
+            ordered = sorted(b.bank.values(), key=lambda t: t.n_nodes)
+        else:
+            ordered = [resolve_tree("chain_2"), resolve_tree("binary_2x2"), tree or resolve_tree("mc_sim_7b_63")]
+        if name == "ladder":
+            small, mid, big = ordered[0], ordered[len(ordered) // 2], ordered[-1]
+            return LadderScheduler([small, mid, big], [0.5, 0.85])
+        return HysteresisScheduler(ordered[0], ordered[-1], low=0.6, high=0.85)
+    raise ValueError(f"unknown scheduler {name!r} (static, ladder, hysteresis, entropy, dynamic)")
+
+
+def default_bank_path(engine, heads: Optional[str]) -> Path:
+    """The shipped entropy bank of the loaded heads (recorded in their meta), else trees/<label>-bank.json."""
+    from .trees import TREES_DIR
+
+    if engine is not None and heads in getattr(engine, "runners", {}):
+        meta = getattr(engine.runners[heads].heads, "meta", {}) or {}
+        if meta.get("default_bank") and (TREES_DIR / meta["default_bank"]).is_file():
+            return TREES_DIR / meta["default_bank"]
+    name = f"smollm2-135m-{'hydra' if heads in (None, 'hydra') else heads.replace('++', 'pp')}-bank.json"
+    p = TREES_DIR / name
+    if not p.is_file():
+        raise TreeError(f"no entropy bank for these heads ({p.name} not found); fit one with `entmtp search` or pass --bank")
+    return p
+
+
+def as_scheduler(x) -> Optional[Scheduler]:
     if x is None or isinstance(x, Scheduler):
         return x
     return Scheduler(x)

@@ -42,6 +42,7 @@ class Step:
     base_probs: Optional[list[float]] = None
     base_entropies: Optional[list[float]] = None
     scheduler: Optional[dict[str, Any]] = None  # tree chosen and why (signals, bucket)
+    time_schedule: float = 0.0  # the scheduler's decision (signals + choice), before drafting
 
     @property
     def accept_length(self) -> int:
@@ -54,7 +55,7 @@ class Step:
 
     @property
     def time_total(self) -> float:
-        return self.time_draft + self.time_verify + self.time_bookkeeping
+        return self.time_schedule + self.time_draft + self.time_verify + self.time_bookkeeping
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -90,7 +91,7 @@ class GenerationResult:
     def summary(self) -> dict:
         steps = self.steps
         tot = lambda k: sum(getattr(s, k) for s in steps)
-        step_time = tot("time_draft") + tot("time_verify") + tot("time_bookkeeping")
+        step_time = sum(s.time_total for s in steps)
         return _clean({
             "method": self.method,
             "prompt_tokens": self.prompt_tokens,
@@ -103,7 +104,9 @@ class GenerationResult:
             "time_draft_s": tot("time_draft"),
             "time_verify_s": tot("time_verify"),
             "time_bookkeeping_s": tot("time_bookkeeping"),
+            "time_schedule_s": tot("time_schedule"),
             "bookkeeping_share": tot("time_bookkeeping") / step_time if step_time else 0.0,
+            "schedule_share": tot("time_schedule") / step_time if step_time else 0.0,
             "stop_reason": self.stop_reason,
             "accept_histogram": _histogram([s.accept_length for s in steps if s.time_verify > 0]),
             "notices": self.notices,

@@ -1,0 +1,120 @@
+"""Schedulers: policy logic, bank files, and losslessness of every policy (float32 greedy)."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import random_heads, tiny_model
+from entmtp.decoding import DecodeConfig, Engine
+from entmtp.scheduler import (DynamicScheduler, EntropyBucketScheduler, HysteresisScheduler, LadderScheduler,
+                              Scheduler, StepSignals, load_bank, make_scheduler)
+from entmtp.trees import Tree, TreeError, resolve_tree
+
+VOCAB = 20
+
+
+@pytest.fixture(scope="module")
+def engine():
+    m = tiny_model("llama", vocab=VOCAB, seed=7)
+    return Engine(m, None, {"hydra": random_heads(m, "hydra", num_heads=4, seed=1),
+                            "medusa": random_heads(m, "medusa", num_heads=4, seed=2),
+                            "hydra++": random_heads(m, "hydra", num_heads=4, prefix=True, seed=3)})
+
+
+def bank(tmp_path=None):
+    trees = {"small": resolve_tree("chain_2"), "mid": resolve_tree("binary_2x2"), "big": resolve_tree("mc_sim_7b_63")}
+    return EntropyBucketScheduler(trees, [0.5, 1.5], ["big", "mid", "small"], meta={"fitted_on": "test"})
+
+
+def test_ladder_and_hysteresis_logic():
+    a, b, c = Tree.chain(1), Tree.chain(2), Tree.chain(3)
+    lad = LadderScheduler([a, b, c], [0.3, 0.7])
+    assert [lad.choose(StepSignals(0, root_prob=v)).tree for v in (0.1, 0.3, 0.5, 0.9)] == [a, b, b, c]
+    h = HysteresisScheduler(a, c, low=0.4, high=0.8).fresh()
+    seq = [h.choose(StepSignals(0, root_prob=v)).tree for v in (0.5, 0.85, 0.6, 0.41, 0.39, 0.7)]
+    assert seq == [a, c, c, c, a, a]
+    with pytest.raises(ValueError):
+        LadderScheduler([a, b], [0.7, 0.3, 0.1])
+
+
+def test_entropy_buckets_and_bank_roundtrip(tmp_path):
+    s = bank()
+    assert s.choose(StepSignals(0, root_entropy=0.1)).tree.name == "mc_sim_7b_63"
+    d = s.choose(StepSignals(0, root_entropy=1.0))
+    assert d.tree == resolve_tree("binary_2x2") and d.reason["bucket"] == 1
+    assert s.choose(StepSignals(0, root_entropy=3.0)).tree == resolve_tree("chain_2")
+    s.save(tmp_path / "bank.json")
+    s2 = load_bank(tmp_path / "bank.json")
+    assert s2.edges == s.edges and s2.table == s.table and s2.meta == {"fitted_on": "test"}
+    assert {n: t.paths for n, t in s2.bank.items()} == {n: t.paths for n, t in s.bank.items()}
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{}", "needs 'trees'"),
+    ("[1,", "invalid JSON"),
+    (json.dumps({"trees": {"a": [[0]]}, "edges": [1.0], "table": ["a", "zz"]}), "unknown trees: zz"),
+    (json.dumps({"trees": {"a": [[0]]}, "edges": [1.0, 2.0], "table": ["a"]}), "needs 3 table rows"),
+    (json.dumps({"trees": {"a": [[0, 0]]}, "edges": [], "table": ["a"]}), "no parent"),
+])
+def test_bad_bank_files(tmp_path, content, needle):
+    p = tmp_path / "b.json"
+    p.write_text(content)
+    with pytest.raises(TreeError) as e:
+        load_bank(p)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=1,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+POLICIES = {
+    "static": lambda: Scheduler(resolve_tree("mc_sim_7b_63")),
+    "ladder": lambda: make_scheduler("ladder"),
+    "hysteresis": lambda: make_scheduler("hysteresis"),
+    "entropy": bank,
+    "entropy2d": lambda: EntropyBucketScheduler({"a": Tree.chain(3), "b": resolve_tree("binary_2x2")}, [1.0],
+                                                [["a", "b"], ["b", "a"]], draft_edges=[2.0]),
+    "dynamic": lambda: DynamicScheduler(budget=12, depth=4, topk=4, beam=4),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=12), n=st.integers(1, 30),
+       heads=st.sampled_from(["hydra", "medusa", "hydra++"]))
+def test_every_policy_is_lossless(engine, policy, prompt, n, heads):
+    ref = hf_greedy(engine.model, prompt, n)
+    r = engine.run(prompt, heads=heads, scheduler=POLICIES[policy](), config=DecodeConfig(max_new_tokens=n, eos_token_ids=()))
+    assert r.tokens == ref
+    for s in r.steps:
+        if s.time_verify:
+            assert s.scheduler["scheduler"] in ("static", "ladder", "hysteresis", "entropy", "dynamic")
+
+
+def test_decisions_are_recorded_with_signals(engine):
+    r = engine.run([3, 4, 5], heads="hydra", scheduler=bank(), config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
+    steps = [s for s in r.steps if s.time_verify]
+    assert steps and all("root_entropy" in s.scheduler["signals"] and "bucket" in s.scheduler for s in steps)
+    assert all(s.time_schedule > 0 for s in steps)
+
+
+def test_dynamic_tree_respects_budget_and_depth(engine):
+    r = engine.run([3, 4, 5], heads="hydra", scheduler=DynamicScheduler(budget=10, depth=3, topk=3, beam=3),
+                   config=DecodeConfig(max_new_tokens=20, eos_token_ids=(), trace="full"))
+    for s in r.steps:
+        if s.time_verify:
+            assert 1 <= s.n_nodes <= 10 and max(s.depths) <= 3
+            assert s.draft_probs[1] == s.draft_probs[1]  # drafted with statistics (not NaN)
+
+
+def test_make_scheduler_errors():
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        make_scheduler("nope")
+    with pytest.raises(TreeError, match="bank file not found"):
+        make_scheduler("entropy", bank="/nonexistent/bank.json")
