@@ -1,0 +1,1513 @@
+"""`entmtp train`: train Medusa / Hydra / Hydra++ draft heads on a frozen base model.
+
+Pipeline (every stage runs unchanged on CPU, one GPU, or many processes under
+``accelerate launch``; each process handles its shard of the sequences and only the main
+process writes checkpoints, reports and logs):
+
+1. **Data.** ``--data FILE`` is read with :func:`entmtp.data.load_prompts` and split with the
+   seeded :func:`entmtp.data.split_prompts` (``--held-out``; the held-out split is never
+   trained on).  Rows with an assistant answer train on that answer; with ``--self-distill``
+   the base model answers every prompt itself (batched greedy ``generate``, left padding),
+   and the answers are cached as JSONL in ``--work-dir`` so an interrupted run resumes
+   generation where it stopped (held-out prompts are answered first, so evaluation always
+   has data even when ``--gen-time-budget-min`` cuts generation short).
+2. **Draft vocabulary** (``--draft-vocab N``): the N most frequent answer tokens of the
+   training split plus EOS.  Heads score only these ids (5-7x cheaper on CPU); targets
+   outside it are ignored by the loss and count as misses in evaluation.
+3. **Features.** The base model's post-norm last hidden state and the teacher's top-k
+   next-token distribution (softmax renormalized over the draft vocab, fp16 probs + ids)
+   plus its full-vocab greedy token, for every position.  Cached once on disk (safetensors
+   shards + a manifest keyed by model fingerprint, token sequences, draft vocab and top-k)
+   when training runs for more than one epoch, else computed on the fly.
+4. **Training.** All kinds train jointly on the same features, each with its own parameter
+   group, loss and gradient clipping.  Per head k (predicting x_{t+k+2} at position t), on
+   answer positions of the target only::
+
+       loss_k = lm_w * CE(head_k, x_{t+k+2}) + teacher_w * softCE(head_k, teacher top-k at t+k+1)
+
+   AdamW, linear warm-up then cosine to ``--final-lr-mult`` over the planned steps; the data
+   order is a seeded permutation per epoch indexed by the global step, so ``--resume`` from
+   a checkpoint continues with exactly the batch that would have come next.
+5. **Evaluation** on the held-out split: each head's top-1 / top-5 agreement with the base
+   model's greedy token, and the teacher-forced chain tau
+   ``1 + sum_k prod_{j<=k} top1_correct_j`` averaged over positions.
+6. **Output.** ``--out DIR/{name}-{medusa|hydra|hydrapp}`` in our checkpoint format
+   (:func:`entmtp.checkpoints.save_heads`) plus ``DIR/train_report.json`` / ``.md``.
+
+Public API: :func:`add_arguments`, :func:`main` (returns an exit code; raises
+:class:`TrainError` with a one-line message for bad input), :func:`run_training` (returns a
+:class:`TrainResult` with the trained heads), and ``python -m entmtp.train``.
+
+Several processes: ``accelerate launch --multi_gpu --num_processes 2 -m entmtp.train --cpu ...``
+(or ``torchrun --nproc_per_node 2 -m entmtp.train --cpu ...``) runs two CPU processes with
+gloo.  Note that ``accelerate launch --cpu --num_processes 2`` starts a *single* process in
+accelerate 1.15 (its CPU launcher only fans out through ``--mpirun_hostfile``).  The data
+order and the loss normalization are global, so N processes give the same heads as one
+(up to float summation order).
+
+On a shared 2-core CPU use ``--threads 1``: OpenMP spin-waiting makes small matmuls many
+times slower when another process competes for the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .heads import DraftHeads, HeadsConfig, count_parameters
+
+__all__ = ["TrainError", "TrainResult", "add_arguments", "build_parser", "main", "run_training",
+           "KINDS", "lr_multiplier", "head_inputs"]
+
+# kind label -> (HeadsConfig.kind, prefix_layer, directory suffix)
+KINDS = {"medusa": ("medusa", False, "medusa"), "hydra": ("hydra", False, "hydra"),
+         "hydra++": ("hydra", True, "hydrapp")}
+_KIND_ALIASES = {"hydrapp": "hydra++", "hydra_pp": "hydra++", "hydra-pp": "hydra++", "hydraplusplus": "hydra++"}
+FEATURE_FORMAT = "entmtp-features/1"
+SELFDISTILL_FORMAT = 1
+CKPT_FORMAT = "entmtp-train-ckpt/1"
+REPORT_JSON = "train_report.json"
+REPORT_MD = "train_report.md"
+_IGNORE = -100
+
+
+class TrainError(ValueError):
+    """Unusable input or settings for training; the message is one human-readable line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+# ======================================================================================
+# arguments
+# ======================================================================================
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `entmtp train` options to `parser`."""
+    g = parser.add_argument_group("model and heads")
+    g.add_argument("--model", default="default",
+                   help="base model: 'default' (SmolLM2-135M-Instruct), a local directory, or a repo id")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the frozen base for generation and feature extraction "
+                        "(bfloat16 is 2-3x faster on CPUs with AMX)")
+    g.add_argument("--heads", default="medusa,hydra,hydra++",
+                   help="comma-separated head kinds trained jointly: medusa, hydra, hydra++")
+    g.add_argument("--num-heads", type=int, default=4, help="heads per kind (draft depth)")
+    g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="0 = full vocabulary; N = the N most frequent training answer tokens plus EOS")
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", required=True, help="prompt / conversation file (any format load_prompts reads)")
+    g.add_argument("--self-distill", action="store_true",
+                   help="answer every prompt with the base model itself and train on those answers")
+    g.add_argument("--gen-max-new-tokens", type=int, default=160)
+    g.add_argument("--gen-batch-size", type=int, default=32)
+    g.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--gen-time-budget-min", type=float, default=0.0,
+                   help="stop generating after this many minutes (0 = no limit); prompts left "
+                        "unanswered are skipped in this run and answered by a later run")
+    g.add_argument("--held-out", type=float, default=0.05, help="held-out fraction (seeded split)")
+    g.add_argument("--max-prompts", type=int, default=0,
+                   help="use at most this many training prompts (seeded sample; 0 = all)")
+    g.add_argument("--max-len", type=int, default=512, help="truncate sequences to this many tokens")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=3.0)
+    g.add_argument("--max-steps", type=int, default=0, help="cap on the planned steps (0 = epochs decide)")
+    g.add_argument("--time-budget-min", type=float, default=0.0,
+                   help="wall-clock budget of the whole command in minutes (0 = none); training "
+                        "stops cleanly when it is spent")
+    g.add_argument("--fit-schedule", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --time-budget-min: shrink the planned steps (once, after measuring "
+                        "the step time) so the LR schedule completes within the budget")
+    g.add_argument("--stop-after", type=int, default=0,
+                   help="stop (checkpoint and export) after this many steps of this invocation, "
+                        "keeping the planned schedule; continue later with --resume")
+    g.add_argument("--batch-size", type=int, default=4, help="sequences per optimizer step (global)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=30)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--final-lr-mult", type=float, default=0.1)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="per-kind gradient clipping (0 = off)")
+    g.add_argument("--lm-loss-weight", type=float, default=0.1)
+    g.add_argument("--teacher-loss-weight", type=float, default=1.0)
+    g.add_argument("--teacher-topk", type=int, default=16)
+    g.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
+                   help="autocast for the heads (fp32 master weights)")
+    g.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
+                   help="cache base features on disk (default: when training for more than one epoch)")
+    g.add_argument("--feature-batch-tokens", type=int, default=4096,
+                   help="padded tokens per base forward when extracting features")
+    g.add_argument("--feature-shard-size", type=int, default=128, help="sequences per feature-cache shard")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu", action="store_true", help="force CPU even if an accelerator is available")
+    g.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
+
+    g = parser.add_argument_group("evaluation, checkpoints, output")
+    g.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0 = only at the end)")
+    g.add_argument("--log-every", type=int, default=20)
+    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--work-dir", default="runs/train-work",
+                   help="self-distillation cache, feature cache, checkpoints (ckpt/) and logs")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in WORK_DIR/ckpt")
+    g.add_argument("--out", default="runs/heads", help="output directory for the trained heads and the report")
+    g.add_argument("--name", default=None,
+                   help="checkpoint name prefix (default: smollm2-135m for the default model, else the model dir name)")
+    g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="entmtp train", description="Train Medusa / Hydra / Hydra++ draft heads on a frozen base model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def parse_kinds(text: str) -> list[str]:
+    kinds: list[str] = []
+    for raw in str(text).split(","):
+        k = raw.strip().lower()
+        if not k:
+            continue
+        k = _KIND_ALIASES.get(k, k)
+        if k not in KINDS:
+            raise TrainError(f"unknown head kind {raw.strip()!r} in --heads; use medusa, hydra, hydra++ (comma-separated)")
+        if k not in kinds:
+            kinds.append(k)
+    if not kinds:
+        raise TrainError("--heads is empty; use medusa, hydra, hydra++ (comma-separated)")
+    return kinds
+
+
+def _validate(args: argparse.Namespace) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise TrainError(msg)
+
+    need(args.num_heads >= 1, f"--num-heads must be >= 1, got {args.num_heads}")
+    need(args.num_layers >= 1, f"--num-layers must be >= 1, got {args.num_layers}")
+    need(args.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    need(0.0 <= args.held_out < 1.0, f"--held-out must be in [0, 1), got {args.held_out}")
+    need(args.max_len >= args.num_heads + 3, f"--max-len must be >= {args.num_heads + 3}, got {args.max_len}")
+    need(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    need(args.epochs > 0 or args.max_steps > 0, "give --epochs > 0 or --max-steps > 0")
+    need(args.max_steps >= 0 and args.stop_after >= 0, "--max-steps and --stop-after must be >= 0")
+    need(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    need(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    need(0.0 <= args.final_lr_mult <= 1.0, f"--final-lr-mult must be in [0, 1], got {args.final_lr_mult}")
+    need(args.lm_loss_weight >= 0 and args.teacher_loss_weight >= 0, "loss weights must be >= 0")
+    need(args.lm_loss_weight + args.teacher_loss_weight > 0, "--lm-loss-weight and --teacher-loss-weight are both 0")
+    need(args.teacher_topk >= 1, f"--teacher-topk must be >= 1, got {args.teacher_topk}")
+    need(args.gen_max_new_tokens >= 1 and args.gen_batch_size >= 1, "--gen-max-new-tokens and --gen-batch-size must be >= 1")
+    need(args.gen_temperature >= 0, "--gen-temperature must be >= 0")
+    need(args.time_budget_min >= 0 and args.gen_time_budget_min >= 0, "time budgets must be >= 0")
+    need(args.feature_batch_tokens >= 1 and args.feature_shard_size >= 1,
+         "--feature-batch-tokens and --feature-shard-size must be >= 1")
+    need(args.eval_every >= 0 and args.save_every >= 0 and args.log_every >= 0, "--eval/save/log-every must be >= 0")
+    need(args.max_prompts >= 0, "--max-prompts must be >= 0")
+
+
+# ======================================================================================
+# small utilities
+# ======================================================================================
+def lr_multiplier(step: int, warmup: int, total: int, final: float) -> float:
+    """LR multiplier for the update made at `step` (0-based): linear warm-up, then cosine
+    from 1 to `final` over the remaining planned steps (clamped at `final` afterwards)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, max(0.0, (step - warmup) / span))
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _prompt_key(prompt) -> str:
+    return _sha256_json(prompt.prompt_messages)[:32]
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _fmt_s(seconds: float) -> str:
+    seconds = float(seconds)
+    if seconds < 90:
+        return f"{seconds:.1f}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def _model_name(spec: str) -> str:
+    s = str(spec).strip()
+    if not s or s.lower() == "default":
+        return "smollm2-135m"
+    p = Path(s).expanduser()
+    name = p.stem if p.suffix.lower() == ".gguf" else p.name
+    return (name or s.rstrip("/").split("/")[-1]).lower()
+
+
+@dataclass
+class Seq:
+    """One training / held-out sequence: token ids and the answer mask (per token)."""
+
+    pid: str
+    ids: torch.Tensor  # [T] long
+    mask: torch.Tensor  # [T] bool, True on answer tokens (the targets)
+    split: str  # "train" | "held"
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+
+class _Ctx:
+    """Accelerator wrapper with convenience helpers (printing, collectives, tqdm)."""
+
+    def __init__(self, accelerator):
+        self.acc = accelerator
+        self.main = accelerator.is_main_process
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+        self.device = accelerator.device
+        self.log_lines: list[str] = []
+
+    def print(self, *a) -> None:
+        text = " ".join(str(x) for x in a)
+        if self.main:
+            self.log_lines.append(text)
+        self.acc.print(text)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.acc.wait_for_everyone()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        return self.acc.reduce(t.to(self.device), reduction="sum")
+
+    def any(self, flag: bool) -> bool:
+        if self.world == 1:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return bool(self.acc.reduce(t, reduction="sum").item() > 0)
+
+    def bcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        box = [obj]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def heartbeat(self, label: str, every: float = 60.0):
+        """A callable printing progress at most every `every` seconds when no progress bar shows."""
+        state = {"last": time.time()}
+        quiet = self.main and sys.stderr.isatty()
+
+        def beat(text_fn) -> None:
+            now = time.time()
+            if not quiet and now - state["last"] >= every:
+                state["last"] = now
+                self.print(f"{label}: {text_fn()}")
+        return beat
+
+    def tqdm(self, *a, **kw):
+        from tqdm.auto import tqdm
+
+        kw.setdefault("disable", not (self.main and sys.stderr.isatty()))
+        kw.setdefault("dynamic_ncols", True)
+        kw.setdefault("leave", False)
+        return tqdm(*a, **kw)
+
+
+# ======================================================================================
+# base model
+# ======================================================================================
+def _load_base(spec: str, dtype: str, device, progress) -> tuple[Any, Any]:
+    try:
+        from .models import ModelLoadError, load_base
+    except ImportError:  # pragma: no cover - models.py not available: plain transformers
+        return _load_base_plain(spec, dtype, device)
+    try:
+        return load_base(spec, dtype=dtype, device=device, progress=progress)
+    except ModelLoadError as e:
+        raise TrainError(str(e)) from None
+
+
+def _load_base_plain(spec: str, dtype: str, device):  # pragma: no cover - fallback only
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec == "default":
+        raise TrainError("the default model needs entmtp.models; pass --model PATH")
+    try:
+        tok = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype)).to(device).eval()
+    except Exception as e:  # noqa: BLE001
+        raise TrainError(f"cannot load model {spec!r}: {type(e).__name__}: {e}") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def _model_fingerprint(model, spec: str, dtype: str) -> str:
+    """Cheap identity of the base weights: config + a sample of every parameter tensor."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("transformers_version", "name_or_path")}
+    h.update(_sha256_json([cfg, dtype]).encode())
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 512)][:512].float().cpu()
+            h.update(name.encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.append(src)
+        elif isinstance(src, (list, tuple)):
+            ids += [int(x) for x in src if isinstance(x, int)]
+    return list(dict.fromkeys(ids))
+
+
+# ======================================================================================
+# self-distillation (batched generate, cached as JSONL, resumable)
+# ======================================================================================
+def _read_jsonl_records(files: Iterable[Path]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for f in sorted(files):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption
+            if isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("answer_ids"), list):
+                out[rec["key"]] = rec
+    return out
+
+
+def _generation_order(prompts: list, prompt_ids: dict[str, list[int]], held_keys: set[str], seed: int,
+                      batch: int) -> list:
+    """Held-out first, then train in a seeded random order; inside chunks of 8 batches sorted by
+    length (less padding) so a time-limited run still answers a random sample."""
+    rng = random.Random(seed * 7919 + 17)
+    held = [p for p in prompts if _prompt_key(p) in held_keys]
+    train = [p for p in prompts if _prompt_key(p) not in held_keys]
+    rng.shuffle(train)
+    order = []
+    for group in (held, train):
+        chunk = 8 * batch
+        for i in range(0, len(group), chunk):
+            part = group[i: i + chunk]
+            part.sort(key=lambda p: len(prompt_ids[_prompt_key(p)]))
+            order += part
+    return order
+
+
+def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: set[str], model_fp: str,
+                  work: Path, deadline: Optional[float]) -> tuple[dict[str, dict], dict]:
+    """Answer every prompt with the base model (cached JSONL, resumable). Returns (records by key, stats)."""
+    from .data import render_prompt
+
+    gen_cfg = {"fmt": SELFDISTILL_FORMAT, "model": model_fp, "max_new": args.gen_max_new_tokens,
+               "temperature": args.gen_temperature, "seed": args.seed if args.gen_temperature > 0 else None}
+    tag = _sha256_json(gen_cfg)[:12]
+    sd_dir = work / "selfdistill"
+    if ctx.main:
+        sd_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(sd_dir / f"selfdistill-{tag}.json", gen_cfg)
+    ctx.barrier()
+    files = list(sd_dir.glob(f"selfdistill-{tag}.rank*.jsonl"))
+    done = _read_jsonl_records(files)
+
+    prompt_ids: dict[str, list[int]] = {}
+    too_long = 0
+    for p in prompts:
+        k = _prompt_key(p)
+        if k in prompt_ids:
+            continue
+        ids = render_prompt(p, tokenizer)
+        if len(ids) > args.max_len - 2:
+            too_long += 1
+            continue
+        prompt_ids[k] = ids
+    todo_all = [p for p in _generation_order([p for p in prompts if _prompt_key(p) in prompt_ids],
+                                             prompt_ids, held_keys, args.seed, args.gen_batch_size)
+                if _prompt_key(p) not in done]
+    # de-duplicate identical prompts (same key)
+    seen: set[str] = set()
+    todo_all = [p for p in todo_all if not (_prompt_key(p) in seen or seen.add(_prompt_key(p)))]
+    batches = [todo_all[i: i + args.gen_batch_size] for i in range(0, len(todo_all), args.gen_batch_size)]
+    mine = batches[ctx.rank::ctx.world]
+    stats = {"cached": len(done), "to_generate": len(todo_all), "generated_now": 0, "tokens_now": 0,
+             "prompt_too_long": too_long, "stopped_by_budget": False, "tag": tag, "seconds": 0.0}
+    if todo_all:
+        ctx.print(f"self-distillation: {len(done)} answers cached, {len(todo_all)} prompts to answer "
+                  f"(batch {args.gen_batch_size}, max {args.gen_max_new_tokens} new tokens, "
+                  f"{'greedy' if args.gen_temperature <= 0 else f'T={args.gen_temperature}'})")
+    else:
+        ctx.print(f"self-distillation: all {len(done)} answers cached ({sd_dir})")
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    dev = next(model.parameters()).device
+    t0 = time.time()
+    gen_deadline = t0 + args.gen_time_budget_min * 60 if args.gen_time_budget_min > 0 else None
+    if deadline is not None:
+        gen_deadline = deadline if gen_deadline is None else min(gen_deadline, deadline)
+    out_file = sd_dir / f"selfdistill-{tag}.rank{ctx.rank}.jsonl"
+    new_records: list[dict] = []
+    bar = ctx.tqdm(total=sum(len(b) for b in mine), desc="generate", unit="prompt")
+    beat = ctx.heartbeat("self-distillation")
+    with open(out_file, "a+", encoding="utf-8") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() > 0:  # make sure an interrupted last line does not swallow the next record
+            fh.seek(fh.tell() - 1)
+            if fh.read(1) != "\n":
+                fh.write("\n")
+        for bi, batch in enumerate(mine):
+            if gen_deadline is not None and time.time() > gen_deadline:
+                stats["stopped_by_budget"] = True
+                break
+            seqs = [prompt_ids[_prompt_key(p)] for p in batch]
+            L = max(len(s) for s in seqs)
+            inp = torch.full((len(seqs), L), pad, dtype=torch.long)
+            att = torch.zeros((len(seqs), L), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                inp[i, L - len(s):] = torch.tensor(s)
+                att[i, L - len(s):] = 1
+            max_new = max(1, min(args.gen_max_new_tokens, args.max_len - min(len(s) for s in seqs)))
+            kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=pad, num_beams=1)
+            if eos:
+                kw["eos_token_id"] = eos
+            if args.gen_temperature > 0:
+                torch.manual_seed(args.seed * 100003 + bi * ctx.world + ctx.rank)
+                kw.update(do_sample=True, temperature=args.gen_temperature, top_k=0, top_p=1.0)
+            else:
+                kw.update(do_sample=False)
+            with torch.no_grad():
+                out = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), **kw)
+            gen = out[:, L:].cpu().tolist()
+            for p, s, g in zip(batch, seqs, gen):
+                ans: list[int] = []
+                finished = False
+                for t in g:
+                    ans.append(int(t))
+                    if t in eos:
+                        finished = True
+                        break
+                ans = ans[: max(0, args.max_len - len(s))] if len(s) + len(ans) > args.max_len else ans
+                rec = {"key": _prompt_key(p), "id": p.id, "answer_ids": ans, "finished": finished,
+                       "answer": tokenizer.decode(ans, skip_special_tokens=True)}
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                new_records.append(rec)
+                stats["tokens_now"] += len(ans)
+            fh.flush()
+            stats["generated_now"] += len(batch)
+            bar.update(len(batch))
+            rate = stats["tokens_now"] / max(1e-9, time.time() - t0)
+            if ctx.main and not bar.disable:
+                bar.set_postfix(tok_s=f"{rate:.0f}")
+            beat(lambda: f"{stats['generated_now']}/{sum(len(b) for b in mine)} prompts (this process), "
+                         f"{stats['tokens_now']} tokens, {rate:.0f} tok/s")
+    bar.close()
+    stats["seconds"] = time.time() - t0
+    ctx.barrier()
+    done = _read_jsonl_records(sd_dir.glob(f"selfdistill-{tag}.rank*.jsonl"))
+    # stats over all processes
+    tot = ctx.sum(torch.tensor([float(stats["generated_now"]), float(stats["tokens_now"]),
+                                1.0 if stats["stopped_by_budget"] else 0.0], dtype=torch.float64))
+    stats["generated_now"], stats["tokens_now"] = int(tot[0].item()), int(tot[1].item())
+    stats["stopped_by_budget"] = bool(tot[2].item() > 0)
+    if stats["generated_now"]:
+        ctx.print(f"self-distillation: answered {stats['generated_now']} prompts, {stats['tokens_now']} tokens "
+                  f"in {_fmt_s(stats['seconds'])} ({stats['tokens_now'] / max(1e-9, stats['seconds']):.0f} tok/s)"
+                  + ("; stopped by the generation time budget" if stats["stopped_by_budget"] else ""))
+    stats["prompt_ids"] = prompt_ids
+    return done, stats
+
+
+# ======================================================================================
+# sequences and the draft vocabulary
+# ======================================================================================
+def _build_sequences(ctx: _Ctx, args, tokenizer, train_p: list, held_p: list,
+                     sd_records: Optional[dict[str, dict]], prompt_ids: Optional[dict]) -> tuple[list[Seq], dict]:
+    from .data import DataError, render_conversation, render_prompt
+
+    seqs: list[Seq] = []
+    info = Counter()
+    for split, plist in (("train", train_p), ("held", held_p)):
+        for p in plist:
+            try:
+                if sd_records is not None:
+                    rec = sd_records.get(_prompt_key(p))
+                    if rec is None:
+                        info[f"{split}_unanswered"] += 1
+                        continue
+                    pids = prompt_ids.get(_prompt_key(p)) if prompt_ids else None
+                    if pids is None:
+                        pids = render_prompt(p, tokenizer)
+                    ans = [int(t) for t in rec["answer_ids"]]
+                    ids, mask = pids + ans, [False] * len(pids) + [True] * len(ans)
+                else:
+                    if not p.has_answer:
+                        info[f"{split}_no_answer"] += 1
+                        continue
+                    ids, mask = render_conversation(p, tokenizer)
+            except DataError as e:
+                info[f"{split}_render_error"] += 1
+                if info[f"{split}_render_error"] <= 3:
+                    ctx.print(f"warning: skipped a prompt: {e}")
+                continue
+            if len(ids) > args.max_len:
+                info[f"{split}_truncated"] += 1
+                ids, mask = ids[: args.max_len], mask[: args.max_len]
+            if sum(mask[2:]) < 1:  # no answer token that any head can predict
+                info[f"{split}_no_answer_tokens"] += 1
+                continue
+            seqs.append(Seq(p.id, torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), split))
+    return seqs, dict(info)
+
+
+def _build_draft_vocab(seqs: list[Seq], n: int, vocab_size: int, eos: list[int]) -> Optional[torch.Tensor]:
+    """The n most frequent answer tokens of the training split plus EOS (sorted ids); None = full vocab."""
+    if n <= 0 or n >= vocab_size:
+        return None
+    cnt = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        if s.split == "train":
+            cnt += torch.bincount(s.ids[s.mask], minlength=vocab_size)[:vocab_size]
+    order = sorted(range(vocab_size), key=lambda i: (-int(cnt[i]), i))
+    chosen = [i for i in order[:n] if cnt[i] > 0]
+    for e in eos:
+        if 0 <= e < vocab_size and e not in chosen:
+            chosen.append(e)
+    if not chosen:
+        chosen = [0]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+# ======================================================================================
+# features: base hidden states + teacher top-k (+ full-vocab greedy)
+# ======================================================================================
+def _feature_batches(lengths: list[int], budget_tokens: int, max_batch: int = 64) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        L = lengths[cur[0]] if cur else lengths[i]
+        if cur and (len(cur) + 1) * L > budget_tokens or len(cur) >= max_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class _FeatureExtractor:
+    """Teacher-forced base forwards -> per sequence: hidden [T,h] (post-norm last hidden state),
+    teacher top-k draft ids / probs [T,k] (softmax over the draft vocab) and greedy [T], the
+    base model's full-vocab argmax.  Only held-out sequences need `greedy` (evaluation); for
+    training sequences it is -1 and only the draft-vocab rows of the LM head are computed.
+    """
+
+    def __init__(self, model, draft_vocab: Optional[torch.Tensor], topk: int, store_dtype: torch.dtype,
+                 batch_tokens: int):
+        self.model = model
+        self.dev = next(model.parameters()).device
+        self.lm = model.get_output_embeddings()
+        self.dv = None if draft_vocab is None else draft_vocab.to(self.dev)
+        w = self.lm.weight
+        b = getattr(self.lm, "bias", None)
+        self.draft_w = w if self.dv is None else w.index_select(0, self.dv)
+        self.draft_b = None if b is None else (b if self.dv is None else b.index_select(0, self.dv))
+        n_draft = model.get_output_embeddings().weight.shape[0] if draft_vocab is None else int(draft_vocab.numel())
+        self.topk = min(topk, n_draft)
+        self.store_dtype = store_dtype
+        self.batch_tokens = batch_tokens
+        self._logits_to_keep = True
+        self._decoder: Any = None
+
+    def _hidden(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Post-norm last hidden states [B, T, h] (= model(..., output_hidden_states=True).hidden_states[-1]).
+
+        The decoder alone is used when the model exposes it: same tensor, without the
+        per-layer hidden states and the LM head (about 1.5x faster on CPU).
+        """
+        if self._decoder is None:
+            get = getattr(self.model, "get_decoder", None)
+            dec = get() if callable(get) else None
+            self._decoder = dec if isinstance(dec, nn.Module) and dec is not self.model else False
+        if self._decoder is not False:
+            try:
+                out = self._decoder(input_ids=ids, attention_mask=att, use_cache=False)
+                h = getattr(out, "last_hidden_state", None)
+                if h is not None:
+                    return h
+            except TypeError:
+                pass
+            self._decoder = False
+        kw = dict(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
+        if self._logits_to_keep:
+            try:
+                return self.model(**kw, logits_to_keep=1).hidden_states[-1]
+            except TypeError:
+                self._logits_to_keep = False
+        return self.model(**kw).hidden_states[-1]
+
+    @torch.no_grad()
+    def __call__(self, seqs: list[Seq], progress=None) -> list[dict[str, torch.Tensor]]:
+        out: list[Optional[dict]] = [None] * len(seqs)
+        for batch in _feature_batches([len(s) for s in seqs], self.batch_tokens):
+            L = max(len(seqs[i]) for i in batch)
+            ids = torch.zeros((len(batch), L), dtype=torch.long)
+            att = torch.zeros((len(batch), L), dtype=torch.long)
+            for j, i in enumerate(batch):
+                n = len(seqs[i])
+                ids[j, :n] = seqs[i].ids
+                att[j, :n] = 1
+            hs = self._hidden(ids.to(self.dev), att.to(self.dev))
+            for j, i in enumerate(batch):
+                n = len(seqs[i])
+                h = hs[j, :n]
+                greedy, tids, tps = [], [], []
+                need_greedy = seqs[i].split != "train"
+                for c in range(0, n, 2048):
+                    hc = h[c: c + 2048]
+                    if need_greedy or self.dv is None:
+                        logits = self.lm(hc).float()
+                        greedy.append(logits.argmax(-1) if need_greedy else torch.full_like(logits[:, 0], -1, dtype=torch.long))
+                        dl = logits if self.dv is None else logits.index_select(-1, self.dv)
+                    else:
+                        dl = F.linear(hc, self.draft_w, self.draft_b).float()
+                        greedy.append(torch.full((hc.shape[0],), -1, dtype=torch.long, device=hc.device))
+                    top = torch.softmax(dl, dim=-1).topk(self.topk, dim=-1)
+                    tids.append(top.indices)
+                    tps.append(top.values)
+                out[i] = {"hidden": h.to(self.store_dtype).cpu(),
+                          "tids": torch.cat(tids).to(torch.int32).cpu(),
+                          "tp": torch.cat(tps).to(torch.float16).cpu(),
+                          "greedy": torch.cat(greedy).to(torch.int32).cpu()}
+            if progress is not None:
+                progress(len(batch), sum(len(seqs[i]) for i in batch))
+        return out  # type: ignore[return-value]
+
+
+def _feature_key(model_fp: str, seqs: list[Seq], draft_vocab: Optional[torch.Tensor], topk: int,
+                 store_dtype: torch.dtype, max_len: int) -> str:
+    h = hashlib.sha256()
+    h.update(_sha256_json([FEATURE_FORMAT, model_fp, topk, str(store_dtype), max_len,
+                           None if draft_vocab is None else draft_vocab.tolist()]).encode())
+    for s in seqs:
+        h.update(s.split.encode())
+        h.update(s.ids.numpy().tobytes())
+        h.update(s.mask.numpy().tobytes())
+    return h.hexdigest()
+
+
+class _FeatureStore:
+    """Features of every sequence in memory (flat per-field tensors + offsets)."""
+
+    def __init__(self, per_seq: list[dict[str, torch.Tensor]]):
+        self.offsets = [0]
+        for f in per_seq:
+            self.offsets.append(self.offsets[-1] + f["hidden"].shape[0])
+        self.flat = {k: torch.cat([f[k] for f in per_seq]) for k in ("hidden", "tids", "tp", "greedy")}
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return {k: v[a:b] for k, v in self.flat.items()}
+
+
+def _cached_features(ctx: _Ctx, args, extractor: _FeatureExtractor, seqs: list[Seq], key: str, work: Path,
+                     shard_size: int) -> tuple[_FeatureStore, dict]:
+    """Load the feature cache for `key`, computing missing shards (each process its share)."""
+    from safetensors.torch import load_file, save_file
+
+    root = work / "features"
+    d = root / key[:20]
+    manifest_path = d / "manifest.json"
+    n_shards = (len(seqs) + shard_size - 1) // shard_size
+    info = {"dir": str(d), "key": key, "shards": n_shards, "reused": False, "computed_shards": 0, "seconds": 0.0}
+    manifest = None
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            manifest = None
+    valid = bool(manifest and manifest.get("key") == key and manifest.get("n_seqs") == len(seqs)
+                 and all((d / f).is_file() for f in manifest.get("files", [])))
+    if ctx.main and not valid and root.is_dir():
+        for other in root.iterdir():  # stale caches of other inputs: ours to remove
+            if other.is_dir() and other.name != d.name and (other / "manifest.json").exists():
+                shutil.rmtree(other, ignore_errors=True)
+    if ctx.main:
+        d.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    files = [f"shard-{i:05d}.safetensors" for i in range(n_shards)]
+    t0 = time.time()
+    if not valid:
+        mine = [i for i in range(n_shards) if i % ctx.world == ctx.rank and not (d / files[i]).is_file()]
+        ntok = sum(len(s) for i in mine for s in seqs[i * shard_size:(i + 1) * shard_size])
+        done_shards = n_shards - len([i for i in range(n_shards) if not (d / files[i]).is_file()])
+        ctx.print(f"features: extracting {n_shards - done_shards} of {n_shards} shards "
+                  f"({len(seqs)} sequences) into {d}")
+        bar = ctx.tqdm(total=ntok, desc="features", unit="tok")
+        beat = ctx.heartbeat("features")
+        done_tok = [0]
+
+        def progress(nb: int, nt: int) -> None:
+            bar.update(nt)
+            done_tok[0] += nt
+            beat(lambda: f"{done_tok[0]}/{ntok} tokens (this process), "
+                         f"{done_tok[0] / max(1e-9, time.time() - t0):.0f} tok/s")
+
+        for i in mine:
+            part = seqs[i * shard_size:(i + 1) * shard_size]
+            feats = extractor(part, progress=progress)
+            tensors: dict[str, torch.Tensor] = {}
+            for k in ("hidden", "tids", "tp", "greedy"):
+                tensors[k] = torch.cat([f[k] for f in feats]).contiguous()
+            tensors["lengths"] = torch.tensor([len(s) for s in part], dtype=torch.int64)
+            tmp = d / (files[i] + f".tmp{ctx.rank}")
+            save_file(tensors, str(tmp), metadata={"key": key, "format": FEATURE_FORMAT})
+            tmp.replace(d / files[i])
+            info["computed_shards"] += 1
+        bar.close()
+        ctx.barrier()
+        if ctx.main:
+            _write_json_atomic(manifest_path, {"format": FEATURE_FORMAT, "key": key, "n_seqs": len(seqs),
+                                               "shard_size": shard_size, "files": files,
+                                               "n_tokens": sum(len(s) for s in seqs),
+                                               "created": _dt.datetime.now().isoformat(timespec="seconds")})
+        ctx.barrier()
+    else:
+        info["reused"] = True
+    per_seq: list[dict[str, torch.Tensor]] = []
+    for i, f in enumerate(files):
+        t = load_file(str(d / f))
+        lengths = t["lengths"].tolist()
+        exp = [len(s) for s in seqs[i * shard_size:(i + 1) * shard_size]]
+        if lengths != exp:
+            raise TrainError(f"feature cache {d / f} does not match the sequences; delete {d} and retry")
+        off = 0
+        for n in lengths:
+            per_seq.append({k: t[k][off: off + n] for k in ("hidden", "tids", "tp", "greedy")})
+            off += n
+    info["seconds"] = time.time() - t0
+    info["bytes"] = sum((d / f).stat().st_size for f in files)
+    return _FeatureStore(per_seq), info
+
+
+# ======================================================================================
+# the heads' training / evaluation computation
+# ======================================================================================
+def head_inputs(kind: str, feat: torch.Tensor, emb: Optional[torch.Tensor], bi: torch.Tensor, ti: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """Inputs of head k at positions (bi, ti) — the rows `DraftHeads.training_logits` builds.
+
+    feat [B, T, h] head features (base hidden states, after the Hydra++ prefix layer if
+    any); emb [B, T, h] base embeddings of the tokens (Hydra only).
+    Medusa: h_t.  Hydra: cat[h_t, E(x_{t+1}), ..., E(x_{t+k+1})].
+    """
+    x = feat[bi, ti]
+    if kind == "medusa":
+        return x
+    return torch.cat([x] + [emb[bi, ti + j] for j in range(1, k + 2)], dim=-1)
+
+
+class _HeadsTrainer(nn.Module):
+    """All head kinds + the frozen pieces of the base they need (not parameters/buffers)."""
+
+    def __init__(self, heads: dict[str, DraftHeads], embed_w: torch.Tensor, lm_w: torch.Tensor,
+                 remap: torch.Tensor, lm_loss_w: float, teacher_loss_w: float):
+        super().__init__()
+        self.heads = nn.ModuleDict({KINDS[k][2]: h for k, h in heads.items()})
+        self.labels = {KINDS[k][2]: k for k in heads}
+        # frozen tensors kept as plain attributes: not trained, not synced by DDP, not checkpointed
+        self.embed_w = embed_w
+        self.lm_w = lm_w
+        self.remap = remap  # full-vocab id -> draft index, -1 outside the draft vocab
+        self.lm_loss_w = lm_loss_w
+        self.teacher_loss_w = teacher_loss_w
+
+    def _features(self, heads: DraftHeads, hidden: torch.Tensor) -> torch.Tensor:
+        return heads.prefix(hidden) if heads.prefix is not None else hidden
+
+    def forward(self, batch: dict[str, torch.Tensor], norms: torch.Tensor, scale: float):
+        """Training loss. norms [K, 2] global counts (teacher positions, in-vocab lm positions)."""
+        ids, amask, hidden = batch["ids"], batch["amask"], batch["hidden"]
+        emb = F.embedding(ids, self.embed_w).to(hidden.dtype)
+        tgt_all = self.remap[ids]
+        total = hidden.new_zeros(())
+        stats: dict[str, torch.Tensor] = {}
+        for suffix, heads in self.heads.items():
+            feat = self._features(heads, hidden)
+            K = heads.num_heads
+            st = torch.zeros(K, 5, dtype=torch.float64, device=hidden.device)  # n, n_lm, lm_sum, t_sum, top1
+            kind_loss = hidden.new_zeros(())
+            for k in range(K):
+                bi, ti = amask[:, k + 2:].nonzero(as_tuple=True)
+                x = head_inputs(heads.config.kind, feat, emb, bi, ti, k)
+                logits = heads.head_logits(k, x, self.lm_w).float()
+                logp = torch.log_softmax(logits, dim=-1)
+                tgt = tgt_all[bi, ti + k + 2]
+                ok = tgt >= 0
+                lm_sum = -(logp[ok].gather(-1, tgt[ok, None])).sum() if bool(ok.any()) else logp.sum() * 0
+                tp = batch["tp"][bi, ti + k + 1]
+                tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-12)
+                t_sum = -(tp * logp.gather(-1, batch["tids"][bi, ti + k + 1])).sum()
+                n_t, n_lm = norms[k, 0].clamp_min(1.0), norms[k, 1].clamp_min(1.0)
+                kind_loss = kind_loss + self.lm_loss_w * lm_sum / n_lm + self.teacher_loss_w * t_sum / n_t
+                with torch.no_grad():
+                    top1 = (logits.argmax(-1) == tgt).sum() if logits.shape[0] else torch.zeros((), device=hidden.device)
+                    st[k] = torch.stack([torch.tensor(float(bi.numel()), device=hidden.device, dtype=torch.float64),
+                                         ok.sum().double(), lm_sum.detach().double(), t_sum.detach().double(),
+                                         top1.double()])
+            stats[suffix] = st
+            total = total + kind_loss
+        return total * scale, stats
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Held-out counts per kind: [K, 3] (n, top1, top5 vs the base greedy token) and
+        chain [2] (positions, sum of accepted-chain lengths)."""
+        ids, amask, hidden = batch["ids"], batch["amask"], batch["hidden"]
+        B, T = ids.shape
+        emb = F.embedding(ids, self.embed_w).to(hidden.dtype)
+        greedy_d = self.remap[batch["greedy"].clamp_min(0)]
+        out = {}
+        for suffix, heads in self.heads.items():
+            feat = self._features(heads, hidden)
+            K = heads.num_heads
+            counts = torch.zeros(K, 3, dtype=torch.float64, device=hidden.device)
+            correct = torch.zeros(K, B, T, dtype=torch.bool, device=hidden.device)
+            valid = torch.zeros(K, B, T, dtype=torch.bool, device=hidden.device)
+            for k in range(K):
+                bi, ti = amask[:, k + 2:].nonzero(as_tuple=True)
+                if bi.numel() == 0:
+                    continue
+                logits = heads.head_logits(k, head_inputs(heads.config.kind, feat, emb, bi, ti, k), self.lm_w)
+                g = greedy_d[bi, ti + k + 1]
+                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                c1 = top[:, 0] == g
+                c5 = (top == g[:, None]).any(-1)
+                counts[k] = torch.tensor([bi.numel(), c1.sum().item(), c5.sum().item()], dtype=torch.float64)
+                correct[k, bi, ti] = c1
+                valid[k, bi, ti] = True
+            chain_ok = valid.all(0)
+            cum = torch.cumprod(correct.double(), dim=0).sum(0)  # [B, T] accepted drafts along the chain
+            out[suffix] = counts
+            out[suffix + "/chain"] = torch.tensor([chain_ok.sum().item(), (1.0 + cum[chain_ok]).sum().item()],
+                                                  dtype=torch.float64, device=hidden.device)
+        return out
+
+
+def _collate(seqs: list[Seq], idxs: list[int], feats: dict[int, dict[str, torch.Tensor]], device) -> dict[str, torch.Tensor]:
+    B = len(idxs)
+    T = max(len(seqs[i]) for i in idxs)
+    f0 = feats[idxs[0]]
+    h = f0["hidden"].shape[-1]
+    k = f0["tids"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    amask = torch.zeros(B, T, dtype=torch.bool)
+    hidden = torch.zeros(B, T, h, dtype=torch.float32)
+    tids = torch.zeros(B, T, k, dtype=torch.long)
+    tp = torch.zeros(B, T, k, dtype=torch.float32)
+    greedy = torch.zeros(B, T, dtype=torch.long)
+    for j, i in enumerate(idxs):
+        n = len(seqs[i])
+        f = feats[i]
+        ids[j, :n] = seqs[i].ids
+        amask[j, :n] = seqs[i].mask
+        hidden[j, :n] = f["hidden"].float()
+        tids[j, :n] = f["tids"].long()
+        tp[j, :n] = f["tp"].float()
+        greedy[j, :n] = f["greedy"].long()
+    out = {"ids": ids, "amask": amask, "hidden": hidden, "tids": tids, "tp": tp, "greedy": greedy}
+    return {k2: v.to(device) for k2, v in out.items()}
+
+
+def _batch_norms(batch_seqs: list[Seq], remap_cpu: torch.Tensor, K: int) -> torch.Tensor:
+    """[K, 2] counts of (teacher positions, in-vocab lm positions) for head k in these sequences."""
+    out = torch.zeros(K, 2, dtype=torch.float64)
+    for s in batch_seqs:
+        inv = remap_cpu[s.ids] >= 0
+        for k in range(K):
+            m = s.mask[k + 2:]
+            out[k, 0] += float(m.sum())
+            out[k, 1] += float((m & inv[k + 2:]).sum())
+    return out
+
+
+# ======================================================================================
+# data order, schedule, checkpoints
+# ======================================================================================
+def _epoch_perm(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) * 7_919 + 12_345)
+    return torch.randperm(n, generator=g).tolist()
+
+
+class _Order:
+    """Seeded, step-indexed data order: global step -> the sequence indices of its batch."""
+
+    def __init__(self, n: int, batch: int, seed: int):
+        self.n, self.batch, self.seed = n, batch, seed
+        # full batches only (the tail of a permutation is left for later epochs), so every
+        # process always gets its share of every batch
+        self.steps_per_epoch = max(1, n // batch)
+        self._cache: dict[int, list[int]] = {}
+
+    def batch_at(self, step: int) -> tuple[int, list[int]]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if epoch not in self._cache:
+            self._cache = {epoch: _epoch_perm(self.n, self.seed, epoch)}
+        perm = self._cache[epoch]
+        return epoch, perm[i * self.batch:(i + 1) * self.batch]
+
+
+def _ckpt_dir(work: Path) -> Path:
+    return work / "ckpt"
+
+
+def _latest_ckpt(work: Path) -> Optional[Path]:
+    ptr = _ckpt_dir(work) / "latest.json"
+    if not ptr.is_file():
+        return None
+    try:
+        name = json.loads(ptr.read_text())["dir"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    d = _ckpt_dir(work) / name
+    return d if (d / "trainer_state.json").is_file() else None
+
+
+def _save_ckpt(ctx: _Ctx, work: Path, state: dict) -> Path:
+    root = _ckpt_dir(work)
+    name = f"step-{state['step']:07d}"
+    d = root / name
+    tmp = root / (name + ".tmp")
+    if ctx.main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    ctx.acc.save_state(str(tmp))
+    ctx.barrier()
+    if ctx.main:
+        _write_json_atomic(tmp / "trainer_state.json", state)
+        if d.exists():
+            shutil.rmtree(d)
+        tmp.replace(d)
+        _write_json_atomic(root / "latest.json", {"dir": name, "step": state["step"]})
+        for other in root.iterdir():
+            if other.is_dir() and other.name != name and other.name.startswith("step-"):
+                shutil.rmtree(other, ignore_errors=True)
+    ctx.barrier()
+    return d
+
+
+# ======================================================================================
+# evaluation summary
+# ======================================================================================
+def _eval_heldout(ctx: _Ctx, trainer: _HeadsTrainer, seqs: list[Seq], held_idx: list[int], get_feats, batch: int,
+                  autocast) -> Optional[dict]:
+    if not held_idx:
+        return None
+    mine = held_idx[ctx.rank::ctx.world]
+    acc: dict[str, torch.Tensor] = {}
+    for suffix, heads in trainer.heads.items():
+        acc[suffix] = torch.zeros(heads.num_heads, 3, dtype=torch.float64)
+        acc[suffix + "/chain"] = torch.zeros(2, dtype=torch.float64)
+    trainer.eval()
+    for i in range(0, len(mine), batch):
+        idxs = mine[i: i + batch]
+        b = _collate(seqs, idxs, get_feats(idxs), ctx.device)
+        with autocast():
+            res = trainer.evaluate(b)
+        for key, v in res.items():
+            acc[key] += v.cpu()
+    trainer.train()
+    out: dict[str, Any] = {}
+    for suffix in trainer.heads:
+        c = ctx.sum(acc[suffix].to(ctx.device)).cpu()
+        ch = ctx.sum(acc[suffix + "/chain"].to(ctx.device)).cpu()
+        n = c[:, 0].clamp_min(1)
+        out[trainer.labels[suffix]] = {
+            "top1": [round(float(x), 4) for x in (c[:, 1] / n)],
+            "top5": [round(float(x), 4) for x in (c[:, 2] / n)],
+            "positions": [int(x) for x in c[:, 0]],
+            "tau_chain": round(float(ch[1] / ch[0].clamp_min(1)), 4),
+            "chain_positions": int(ch[0]),
+        }
+    return out
+
+
+# ======================================================================================
+# the run
+# ======================================================================================
+@dataclass
+class TrainResult:
+    heads: dict[str, DraftHeads]
+    out_dirs: dict[str, Path]
+    report: dict
+    report_path: Optional[Path] = None
+    extra: dict = field(default_factory=dict)
+
+
+def run_training(args: argparse.Namespace) -> TrainResult:
+    """Run the whole pipeline; raises TrainError on bad input. See the module docstring."""
+    t_start = time.time()
+    _validate(args)
+    kinds = parse_kinds(args.heads)
+    deadline = t_start + args.time_budget_min * 60 if args.time_budget_min > 0 else None
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    from accelerate import Accelerator
+
+    from .data import DataError, load_prompts, split_prompts
+
+    # ---- data (before the model: a bad file fails fast) ------------------------------------
+    data_path = Path(args.data).expanduser()
+    if not data_path.exists():
+        raise TrainError(f"data file not found: {args.data}")
+    if data_path.is_dir():
+        raise TrainError(f"--data {args.data} is a directory; pass a prompt/conversation file")
+    try:
+        pset = load_prompts(data_path)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    prompts = list(pset.prompts)
+    if not args.self_distill and not any(p.has_answer for p in prompts):
+        raise TrainError(f"{args.data}: no row has an assistant answer to train on; "
+                         "add answers or pass --self-distill to generate them with the base model")
+
+    try:
+        accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
+    except ValueError as e:  # e.g. fp16 mixed precision where it is not supported
+        raise TrainError(f"accelerate: {e}") from None
+    if accelerator.device.type == "cpu" and args.mixed_precision == "fp16":
+        raise TrainError("--mixed-precision fp16 is not supported on CPU; use bf16 (or no)")
+    ctx = _Ctx(accelerator)
+    work = Path(args.work_dir).expanduser()
+    out_root = Path(args.out).expanduser()
+    if ctx.main:
+        work.mkdir(parents=True, exist_ok=True)
+        out_root.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    ctx.print(f"entmtp train: {pset.summary()}")
+    ctx.print(f"processes: {ctx.world} on {ctx.device}; heads: {', '.join(kinds)}; mixed precision: {args.mixed_precision}")
+
+    train_p, held_p = split_prompts(prompts, args.held_out, args.seed)
+    if args.max_prompts and len(train_p) > args.max_prompts:
+        rng = random.Random(args.seed)
+        keep = set(rng.sample(range(len(train_p)), args.max_prompts))
+        train_p = [p for i, p in enumerate(train_p) if i in keep]
+    held_keys = {_prompt_key(p) for p in held_p}
+
+    # ---- base model ----------------------------------------------------------------------------
+    t0 = time.time()
+    model, tokenizer = _load_base(args.model, args.dtype, ctx.device, ctx.print if ctx.main else None)
+    model_fp = _model_fingerprint(model, args.model, args.dtype)
+    cfg_vocab = model.get_output_embeddings().weight.shape[0]
+    eos = _eos_ids(model, tokenizer)
+    ctx.print(f"base model {args.model!r} loaded in {_fmt_s(time.time() - t0)} "
+              f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype})")
+
+    # ---- answers -------------------------------------------------------------------------------
+    sd_stats = None
+    sd_records = prompt_ids = None
+    if args.self_distill:
+        sd_records, sd_stats = _self_distill(ctx, args, model, tokenizer, train_p + held_p, held_keys,
+                                             model_fp, work, deadline)
+        prompt_ids = sd_stats.pop("prompt_ids")
+    seqs, seq_info = _build_sequences(ctx, args, tokenizer, train_p, held_p, sd_records, prompt_ids)
+    train_idx = [i for i, s in enumerate(seqs) if s.split == "train"]
+    held_idx = [i for i, s in enumerate(seqs) if s.split == "held"]
+    if not train_idx:
+        why = "no prompt was answered (generation budget too small?)" if args.self_distill else \
+            "no training row has an assistant answer"
+        raise TrainError(f"{args.data}: no usable training sequence: {why} ({seq_info or 'no rows'})")
+    if args.batch_size < ctx.world:
+        raise TrainError(f"--batch-size {args.batch_size} is smaller than the {ctx.world} processes")
+    n_train_tok = sum(int(seqs[i].mask.sum()) for i in train_idx)
+    ctx.print(f"sequences: {len(train_idx)} train ({n_train_tok} answer tokens), {len(held_idx)} held-out"
+              + (f"; {seq_info}" if seq_info else ""))
+
+    # ---- draft vocabulary ------------------------------------------------------------------------
+    draft_vocab = _build_draft_vocab(seqs, args.draft_vocab, cfg_vocab, eos)
+    remap_cpu = torch.full((cfg_vocab,), -1, dtype=torch.long)
+    if draft_vocab is None:
+        remap_cpu = torch.arange(cfg_vocab)
+    else:
+        remap_cpu[draft_vocab] = torch.arange(draft_vocab.numel())
+    n_draft = cfg_vocab if draft_vocab is None else int(draft_vocab.numel())
+    if draft_vocab is not None:
+        held_ans = torch.cat([seqs[i].ids[seqs[i].mask] for i in held_idx]) if held_idx else torch.zeros(0, dtype=torch.long)
+        cov = float((remap_cpu[held_ans] >= 0).float().mean()) if held_ans.numel() else float("nan")
+        ctx.print(f"draft vocabulary: {n_draft} of {cfg_vocab} tokens (held-out answer coverage {cov:.3f})")
+
+    # ---- features ----------------------------------------------------------------------------------
+    K = args.num_heads
+    order = _Order(len(train_idx), args.batch_size, args.seed)
+    planned = args.max_steps if args.max_steps else 0
+    if args.epochs > 0:
+        by_epochs = max(1, math.ceil(args.epochs * order.steps_per_epoch))
+        planned = min(planned, by_epochs) if planned else by_epochs
+    use_cache = args.cache_features if args.cache_features is not None else planned > order.steps_per_epoch
+    base_dtype = next(model.parameters()).dtype
+    store_dtype = torch.bfloat16 if base_dtype == torch.bfloat16 else torch.float16
+    extractor = _FeatureExtractor(model, draft_vocab, args.teacher_topk, store_dtype, args.feature_batch_tokens)
+    feat_info: dict[str, Any] = {"cached": bool(use_cache)}
+    store: Optional[_FeatureStore] = None
+    if use_cache:
+        key = _feature_key(model_fp, seqs, draft_vocab, args.teacher_topk, store_dtype, args.max_len)
+        store, fi = _cached_features(ctx, args, extractor, seqs, key, work, args.feature_shard_size)
+        feat_info.update(fi)
+        ctx.print(f"features: {'reused cache' if fi['reused'] else 'computed'} ({fi['bytes'] / 1e6:.1f} MB, "
+                  f"{_fmt_s(fi['seconds'])})")
+
+        def get_feats(idxs: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+            return {i: store.get(i) for i in idxs}
+    else:
+        held_feats: dict[int, dict] = {}
+
+        def get_feats(idxs: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+            miss = [i for i in idxs if i not in held_feats]
+            got = dict(zip(miss, extractor([seqs[i] for i in miss]))) if miss else {}
+            for i, f in got.items():
+                if seqs[i].split == "held":
+                    held_feats[i] = f
+            return {i: (held_feats[i] if i in held_feats else got[i]) for i in idxs}
+
+    # ---- heads, optimizer ----------------------------------------------------------------------------
+    torch.manual_seed(args.seed)
+    name = args.name or _model_name(args.model)
+    base_name = "SmolLM2-135M-Instruct" if str(args.model).strip().lower() == "default" else str(args.model)
+    heads: dict[str, DraftHeads] = {}
+    for kind in kinds:
+        hk, prefix, _ = KINDS[kind]
+        cfg = HeadsConfig.for_base(model.config, hk, num_heads=K, num_layers=args.num_layers, prefix_layer=prefix,
+                                   draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
+        cfg.base_model = base_name
+        h = DraftHeads(cfg)
+        if draft_vocab is not None:
+            h.draft_vocab.copy_(draft_vocab)
+        heads[kind] = h.float()
+    emb_w = model.get_input_embeddings().weight.detach().float().to(ctx.device)
+    lm_full = model.get_output_embeddings().weight.detach()
+    lm_w = (lm_full if draft_vocab is None else lm_full.index_select(0, draft_vocab.to(lm_full.device))).float().to(ctx.device).contiguous()
+    trainer = _HeadsTrainer(heads, emb_w, lm_w, remap_cpu.to(ctx.device), args.lm_loss_weight,
+                            args.teacher_loss_weight).to(ctx.device)
+    groups = [{"params": list(trainer.heads[KINDS[k][2]].parameters()), "name": k} for k in kinds]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+    trainer_p, optimizer = accelerator.prepare(trainer, optimizer)
+    core: _HeadsTrainer = accelerator.unwrap_model(trainer_p)
+
+    # ---- resume --------------------------------------------------------------------------------------------
+    run_sig = {"kinds": kinds, "num_heads": K, "num_layers": args.num_layers, "batch_size": args.batch_size,
+               "seed": args.seed, "n_train": len(train_idx), "draft_vocab": None if draft_vocab is None else _sha256_json(draft_vocab.tolist()),
+               "train_data": _sha256_json([[seqs[i].pid, len(seqs[i])] for i in train_idx]), "model": model_fp}
+    step = 0
+    history: list[dict] = []
+    train_seconds_before = 0.0
+    positions_before = 0
+    fitted = False
+    if args.resume:
+        ck = _latest_ckpt(work)
+        if ck is None:
+            ctx.print(f"--resume: no checkpoint in {_ckpt_dir(work)}; starting from step 0")
+        else:
+            st = json.loads((ck / "trainer_state.json").read_text())
+            diff = [k for k in run_sig if st.get("signature", {}).get(k) != run_sig[k]]
+            if diff:
+                raise TrainError(f"checkpoint {ck} was made with different {', '.join(diff)}; "
+                                 "use the same settings and data, another --work-dir, or drop --resume")
+            accelerator.load_state(str(ck))
+            step = int(st["step"])
+            planned = int(st["planned_steps"])
+            fitted = bool(st.get("fitted", False))
+            history = st.get("history", [])
+            train_seconds_before = float(st.get("train_seconds", 0.0))
+            positions_before = int(st.get("positions", 0))
+            ctx.print(f"resumed from {ck} at step {step} of {planned}")
+
+    # ---- train -----------------------------------------------------------------------------------------
+    ctx.print(f"training: {planned} planned steps ({order.steps_per_epoch} per epoch, batch {args.batch_size} "
+              f"sequences), lr {args.lr}, warmup {args.warmup}, cosine to x{args.final_lr_mult}; "
+              f"features {'cached' if use_cache else 'on the fly'}")
+    log_path = work / "train_log.jsonl"
+    autocast = accelerator.autocast
+    t_train = time.time()
+    step_times: list[float] = []
+    positions = positions_before
+    stop_reason = "completed"
+    start_step = step
+    bar = ctx.tqdm(total=planned, initial=step, desc="train", unit="step")
+    run_stats: dict[str, torch.Tensor] = {}
+    trainer_p.train()
+    while step < planned:
+        if args.stop_after and step - start_step >= args.stop_after:
+            stop_reason = f"stopped after {args.stop_after} steps (--stop-after)"
+            break
+        if deadline is not None and ctx.any(time.time() > deadline):
+            stop_reason = "time budget spent"
+            break
+        ts = time.time()
+        epoch, bidx = order.batch_at(step)
+        gidx = [train_idx[i] for i in bidx]
+        mine = gidx[ctx.rank::ctx.world]
+        norms = _batch_norms([seqs[i] for i in gidx], remap_cpu, K).to(ctx.device)
+        batch = _collate(seqs, mine, get_feats(mine), ctx.device)
+        mult = lr_multiplier(step, args.warmup, planned, args.final_lr_mult)
+        for gr in optimizer.param_groups:
+            gr["lr"] = args.lr * mult
+        loss, stats = trainer_p(batch, norms, float(ctx.world))
+        accelerator.backward(loss)
+        gnorms = {}
+        if args.max_grad_norm > 0:
+            for gr in optimizer.param_groups:
+                gnorms[gr["name"]] = float(accelerator.clip_grad_norm_(gr["params"], args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        positions += int(norms[0, 0].item())
+        for suffix, st in stats.items():
+            run_stats[suffix] = run_stats.get(suffix, torch.zeros_like(st.cpu())) + st.detach().cpu()
+        step_times.append(time.time() - ts)
+        bar.update(1)
+
+        # fit the schedule to the time budget once the step time is known
+        if (deadline is not None and args.fit_schedule and not fitted and len(step_times) >= 12):
+            sec = sorted(step_times[2:])[len(step_times[2:]) // 2]
+            n_evals = (planned // args.eval_every + 1) if args.eval_every else 1
+            eval_cost = n_evals * sec * max(1, len(held_idx)) / max(1, args.batch_size) / 3
+            left = deadline - time.time() - eval_cost - 10.0
+            can = step + max(1, int(0.97 * left / max(1e-6, sec)))
+            new_planned = ctx.bcast(min(planned, max(step + 1, can)))
+            fitted = True
+            if new_planned < planned:
+                ctx.print(f"time budget: {sec:.2f}s/step -> schedule shortened from {planned} to {new_planned} steps")
+                planned = new_planned
+                bar.total = planned
+                bar.refresh()
+
+        if args.log_every and (step % args.log_every == 0 or step == planned):
+            agg = {s: ctx.sum(v.to(ctx.device)).cpu() for s, v in run_stats.items()}
+            rec = {"step": step, "epoch": epoch, "lr": args.lr * mult, "elapsed_s": round(time.time() - t_start, 1),
+                   "sec_per_step": round(sum(step_times[-args.log_every:]) / len(step_times[-args.log_every:]), 4)}
+            parts = []
+            for s, v in agg.items():
+                n = v[:, 0].clamp_min(1)
+                lm = (v[:, 2] / v[:, 1].clamp_min(1))
+                tl = (v[:, 3] / n)
+                top1 = (v[:, 4] / v[:, 1].clamp_min(1))
+                label = core.labels[s]
+                loss_v = float((args.lm_loss_weight * lm + args.teacher_loss_weight * tl).sum())
+                rec[label] = {"loss": round(loss_v, 4), "lm": [round(float(x), 4) for x in lm],
+                              "teacher": [round(float(x), 4) for x in tl], "train_top1": [round(float(x), 4) for x in top1],
+                              "grad_norm": round(gnorms.get(label, float("nan")), 4)}
+                parts.append(f"{label} {loss_v:.3f} top1 " + "/".join(f"{float(x):.2f}" for x in top1))
+            history.append({"train": rec})
+            run_stats = {}
+            if ctx.main:
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"type": "train", **rec}) + "\n")
+                if bar.disable:
+                    ctx.print(f"step {step}/{planned} lr {args.lr * mult:.2e} " + " | ".join(parts))
+                else:
+                    bar.set_postfix_str(" | ".join(parts)[:120])
+
+        if args.eval_every and step % args.eval_every == 0 and step < planned:
+            last_eval = _eval_heldout(ctx, core, seqs, held_idx, get_feats, max(1, args.batch_size), autocast)
+            if last_eval is not None:
+                history.append({"eval": {"step": step, **last_eval}})
+                ctx.print(f"eval @ {step}: " + _eval_line(last_eval))
+                if ctx.main:
+                    with open(log_path, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps({"type": "eval", "step": step, **last_eval}) + "\n")
+        if args.save_every and step % args.save_every == 0 and step < planned:
+            _save_ckpt(ctx, work, _trainer_state(step, planned, fitted, history, train_seconds_before + time.time() - t_train,
+                                                 positions, run_sig, args))
+    bar.close()
+    train_seconds = train_seconds_before + (time.time() - t_train)
+    ctx.print(f"training: {step}/{planned} steps, {positions} positions, {_fmt_s(train_seconds)} ({stop_reason})")
+
+    # ---- final evaluation, checkpoint, export ---------------------------------------------------------
+    final_eval = _eval_heldout(ctx, core, seqs, held_idx, get_feats, max(1, args.batch_size), autocast)
+    if final_eval is not None:
+        history.append({"eval": {"step": step, "final": True, **final_eval}})
+        ctx.print(f"final eval @ {step}: " + _eval_line(final_eval))
+    if step > start_step or not _latest_ckpt(work):
+        _save_ckpt(ctx, work, _trainer_state(step, planned, fitted, history, train_seconds, positions, run_sig, args))
+
+    data_info = {"file": str(args.data), "sha256": pset.sha256, "format": pset.format, "n_prompts": len(prompts),
+                 "n_skipped_rows": len(pset.skipped), "n_train_prompts": len(train_p), "n_held_out_prompts": len(held_p),
+                 "n_train_sequences": len(train_idx), "n_held_out_sequences": len(held_idx),
+                 "n_train_tokens": sum(len(seqs[i]) for i in train_idx), "n_train_answer_tokens": n_train_tok,
+                 "n_held_out_answer_tokens": sum(int(seqs[i].mask.sum()) for i in held_idx),
+                 "sequence_notes": seq_info, "self_distill": sd_stats}
+    recipe = {k: getattr(args, k) for k in (
+        "heads", "num_heads", "num_layers", "draft_vocab", "self_distill", "gen_max_new_tokens", "gen_batch_size",
+        "gen_temperature", "held_out", "max_prompts", "max_len", "epochs", "max_steps", "time_budget_min",
+        "batch_size", "lr", "warmup", "weight_decay", "final_lr_mult", "max_grad_norm", "lm_loss_weight",
+        "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed")}
+    recipe.update({"planned_steps": planned, "steps_per_epoch": order.steps_per_epoch, "draft_vocab_size": n_draft,
+                   "optimizer": "AdamW", "schedule": "linear warmup + cosine", "processes": ctx.world,
+                   "features": "cached" if use_cache else "on the fly",
+                   "loss": "lm_w*CE(actual next token) + teacher_w*softCE(base top-k, renormalized over draft vocab)"})
+    command = _command_line()
+    timings = {"total_s": round(time.time() - t_start, 1), "train_s": round(train_seconds, 1),
+               "generation_s": round(sd_stats["seconds"], 1) if sd_stats else 0.0,
+               "features_s": round(feat_info.get("seconds", 0.0), 1)}
+    out_dirs: dict[str, Path] = {}
+    kinds_report: dict[str, Any] = {}
+    save_dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else None
+    for kind in kinds:
+        suffix = KINDS[kind][2]
+        h = core.heads[suffix]
+        d = out_root / f"{name}-{suffix}"
+        metrics = (final_eval or {}).get(kind)
+        meta = {"command": command, "argv": list(sys.argv), "kind": kind, "base_model": base_name,
+                "base_model_fingerprint": model_fp, "data": {k: v for k, v in data_info.items() if k != "self_distill"},
+                "data_sha256": pset.sha256, "train_time_s": round(train_seconds, 1), "steps": step,
+                "planned_steps": planned, "stop_reason": stop_reason, "positions": positions, "seed": args.seed,
+                "recipe": recipe, "metrics": metrics,
+                "created": _dt.datetime.now().isoformat(timespec="seconds")}
+        out_dirs[kind] = d
+        kinds_report[kind] = {"dir": str(d), "params": count_parameters(h), "metrics": metrics}
+        if ctx.main:
+            from .checkpoints import save_heads
+
+            save_heads(h, d, meta, dtype=save_dtype)
+    report = {"command": command, "argv": list(sys.argv), "model": {"spec": args.model, "name": base_name,
+              "fingerprint": model_fp, "dtype": args.dtype, "vocab_size": cfg_vocab},
+              "data": data_info, "features": feat_info, "recipe": recipe, "timings": timings, "steps": step,
+              "planned_steps": planned, "positions": positions, "stop_reason": stop_reason, "heads": kinds_report,
+              "history": history, "created": _dt.datetime.now().isoformat(timespec="seconds")}
+    report_path = None
+    if ctx.main:
+        report_path = out_root / REPORT_JSON
+        _write_json_atomic(report_path, report)
+        (out_root / REPORT_MD).write_text(_report_md(report), encoding="utf-8")
+        ctx.print(f"saved: {', '.join(str(p) for p in out_dirs.values())}; report {report_path}")
+    ctx.barrier()
+    return TrainResult(heads={k: core.heads[KINDS[k][2]] for k in kinds}, out_dirs=out_dirs, report=report,
+                       report_path=report_path, extra={"seqs": seqs, "draft_vocab": draft_vocab})
+
+
+def _command_line() -> str:
+    """The command as typed: `entmtp train ...`, `python -m entmtp[.train] ...` or the raw argv."""
+    argv = list(sys.argv) or [""]
+    first = argv[0].replace("\\", "/")
+    if first.endswith("entmtp/train.py"):
+        head = ["python", "-m", "entmtp.train"]
+    elif first.endswith("entmtp/__main__.py"):
+        head = ["python", "-m", "entmtp"]
+    elif Path(first).name == "entmtp":
+        head = ["entmtp"]
+    else:
+        head = [first]
+    return shlex.join(head + argv[1:])
+
+
+def _trainer_state(step, planned, fitted, history, train_seconds, positions, sig, args) -> dict:
+    return {"format": CKPT_FORMAT, "step": step, "planned_steps": planned, "fitted": fitted,
+            "schedule": {"lr": args.lr, "warmup": args.warmup, "final_lr_mult": args.final_lr_mult, "kind": "cosine"},
+            "history": history, "train_seconds": train_seconds, "positions": positions, "signature": sig,
+            "saved": _dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def _eval_line(ev: dict) -> str:
+    return " | ".join(f"{k} top1 " + "/".join(f"{x:.2f}" for x in v["top1"]) + f" tau {v['tau_chain']:.2f}"
+                      for k, v in ev.items())
+
+
+def _report_md(r: dict) -> str:
+    lines = ["# Draft-head training report", "",
+             f"* command: `{r['command']}`",
+             f"* base model: {r['model']['name']} ({r['model']['dtype']})",
+             f"* data: `{r['data']['file']}` sha256 {r['data']['sha256'][:16]}…, {r['data']['n_prompts']} prompts; "
+             f"{r['data']['n_train_sequences']} train sequences ({r['data']['n_train_answer_tokens']} answer tokens), "
+             f"{r['data']['n_held_out_sequences']} held-out",
+             f"* steps: {r['steps']} / {r['planned_steps']} planned ({r['stop_reason']}), {r['positions']} positions",
+             f"* time: total {_fmt_s(r['timings']['total_s'])}, generation {_fmt_s(r['timings']['generation_s'])}, "
+             f"features {_fmt_s(r['timings']['features_s'])}, training {_fmt_s(r['timings']['train_s'])}",
+             f"* draft vocabulary: {r['recipe']['draft_vocab_size']} tokens; batch {r['recipe']['batch_size']} sequences; "
+             f"lr {r['recipe']['lr']}; loss weights lm {r['recipe']['lm_loss_weight']} / teacher {r['recipe']['teacher_loss_weight']}",
+             "", "## Held-out agreement with the base model's greedy token (teacher-forced)", "",
+             "| heads | dir | params | top-1 per head | top-5 per head | chain tau |", "|---|---|---|---|---|---|"]
+    for kind, v in r["heads"].items():
+        m = v.get("metrics") or {}
+        t1 = " / ".join(f"{x:.3f}" for x in m.get("top1", [])) or "n/a"
+        t5 = " / ".join(f"{x:.3f}" for x in m.get("top5", [])) or "n/a"
+        tau = f"{m['tau_chain']:.3f}" if m else "n/a"
+        lines.append(f"| {kind} | `{v['dir']}` | {v['params'] / 1e6:.2f}M | {t1} | {t5} | {tau} |")
+    lines += ["", "Chain tau = 1 + Σ_k Π_{j≤k} [head j top-1 = base greedy], averaged over held-out positions where "
+              "every head has an answer target (exact for teacher-forced Medusa/Hydra chains).", ""]
+    return "\n".join(lines)
+
+
+# ======================================================================================
+# entry points
+# ======================================================================================
+def main(args: argparse.Namespace) -> int:
+    """`entmtp train`: returns 0 on success; raises TrainError (one line) on bad input."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_training(args)
+    return 0
+
+
+def _cli(argv: Optional[list[str]] = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return main(args)
+    except TrainError as e:
+        msg = " ".join(str(e).split())
+        print(f"entmtp train: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("entmtp train: interrupted (resume with --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())
