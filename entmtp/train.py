@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="answer every prompt with the base model itself and train on those answers")
     g.add_argument("--gen-max-new-tokens", type=int, default=160)
     g.add_argument("--gen-batch-size", type=int, default=32)
-    g.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--gen-temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     g.add_argument("--gen-time-budget-min", type=float, default=0.0,
                    help="stop generating after this many minutes (0 = no limit); prompts left "
                         "unanswered are skipped in this run and answered by a later run")
