@@ -633,7 +633,7 @@ def default_heads_path(kind: str) -> Path:
     path = DEFAULT_HEADS_DIR / HEAD_KINDS[key]
     if not path.is_dir():
         raise ModelLoadError(
-            f"no trained {key} heads at {path}; train them with `entmtp train --kind {key}` or pass a heads directory"
+            f"no trained {key} heads at {path}; train them with `entmtp train --heads {key} ...` (see assets/heads/README.md) or pass a heads directory"
         )
     return path
 
