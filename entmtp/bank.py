@@ -1,0 +1,103 @@
+"""Fit an entropy bank: per bucket of this step's entropy, the tree with the best tokens/s.
+
+From one statistics pass (`entmtp.calibrate.CalibrationStats`: per record the accepted rank
+paths and the step's signals) and a measured latency model, choose for each bucket of the
+root entropy (optionally crossed with the first draft head's entropy) one tree from the
+candidates, so that the *overall* expected tokens/s -- total tokens over total time, a ratio
+of sums -- is maximal. A per-bucket argmax of tau/cost is not optimal for a ratio of sums;
+Dinkelbach's iteration (choose per bucket to maximise tau - lambda * cost, set lambda to the
+resulting ratio, repeat) reaches the exact optimum over per-bucket choices in a few rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .scheduler import EntropyBucketScheduler
+from .trees import Tree
+
+
+def quantile_edges(values: np.ndarray, n_buckets: int) -> list[float]:
+    """Ascending, distinct interior quantile edges splitting `values` into ~equal buckets."""
+    v = values[np.isfinite(values)]
+    if len(v) == 0 or n_buckets <= 1:
+        return []
+    qs = np.quantile(v, [i / n_buckets for i in range(1, n_buckets)])
+    return sorted({round(float(q), 4) for q in qs})
+
+
+def _bucket(values: np.ndarray, edges: list[float]) -> np.ndarray:
+    idx = np.searchsorted(np.array(edges), np.nan_to_num(values, nan=np.nanmedian(values) if np.isfinite(values).any() else 0.0),
+                          side="right")
+    return idx
+
+
+def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int = 4, draft_buckets: int = 0,
+                     min_records: int = 30, max_rounds: int = 20) -> tuple[EntropyBucketScheduler, dict]:
+    """Fit the bucket -> tree table. Returns (scheduler, report).
+
+    report: edges, per-bucket records / chosen tree / predicted tau, and the predicted tokens/s
+    of the bank beside the best single static tree among the same candidates (same records,
+    same latency model).
+    """
+    recs = stats.records
+    if not recs:
+        raise ValueError("no calibration records to fit an entropy bank")
+    cands = list(dict.fromkeys(candidates))  # unique, order kept
+    if not cands:
+        raise ValueError("no candidate trees to fit an entropy bank")
+    ent = np.array([r.root_entropy for r in recs], dtype=float)
+    edges = quantile_edges(ent, n_buckets)
+    b1 = _bucket(ent, edges)
+    d_edges: Optional[list[float]] = None
+    cell = b1
+    n_d = 1
+    if draft_buckets > 1:
+        dent = np.array([r.draft_entropy for r in recs], dtype=float)
+        if np.isfinite(dent).any():
+            d_edges = quantile_edges(dent, draft_buckets)
+            n_d = len(d_edges) + 1
+            cell = b1 * n_d + _bucket(dent, d_edges)
+    n_cells = (len(edges) + 1) * n_d
+    acc = np.stack([stats.accepted_lengths(t).astype(float) for t in cands])  # [T, R]
+    cost = np.array([latency.cost(t.n_nodes, t.depth) for t in cands])  # [T]
+    w = np.array([(cell == c).sum() for c in range(n_cells)], dtype=float)  # records per cell
+    tau = np.stack([(1 + acc[:, cell == c].mean(1)) if w[c] else np.ones(len(cands)) for c in range(n_cells)], 1)  # [T, C]
+
+    # the best static tree over all records (same objective)
+    static_tps = (1 + acc.mean(1)) / cost
+    best_static = int(np.argmax(static_tps))
+    # sparse cells fall back to the static choice
+    lam = float(static_tps[best_static])
+    choice = np.full(n_cells, best_static)
+    for _ in range(max_rounds):
+        new = np.where(w >= min_records, np.argmax(tau - lam * cost[:, None], axis=0), best_static)
+        num = float((w * tau[new, np.arange(n_cells)]).sum())
+        den = float((w * cost[new]).sum())
+        new_lam = num / den
+        if np.array_equal(new, choice) and math.isclose(new_lam, lam, rel_tol=1e-12):
+            break
+        choice, lam = new, new_lam
+
+    names = {}
+    for i in sorted(set(choice.tolist())):
+        t = cands[i]
+        names[i] = t.name or f"tree{i}_{t.n_nodes}n_d{t.depth}"
+    table = [names[int(choice[c])] for c in range(n_cells)]
+    if d_edges is not None:
+        table = [table[i * n_d:(i + 1) * n_d] for i in range(len(edges) + 1)]
+    report = {
+        "signal": "root_entropy", "edges": edges, "draft_edges": d_edges, "records": int(len(recs)),
+        "cells": [{"records": int(w[c]), "tree": names[int(choice[c])], "predicted_tau": float(tau[choice[c], c]),
+                   "cost_s": float(cost[choice[c]])} for c in range(n_cells)],
+        "predicted_tokens_per_s": lam,
+        "best_static": {"tree": cands[best_static].name, "n_nodes": cands[best_static].n_nodes,
+                        "predicted_tokens_per_s": float(static_tps[best_static]), "predicted_tau": float(1 + acc[best_static].mean())},
+        "predicted_gain_vs_static": lam / float(static_tps[best_static]) - 1,
+    }
+    trees = {names[i]: Tree(cands[i].paths, names[i]) for i in names}
+    sched = EntropyBucketScheduler(trees, edges, table, d_edges, meta={"fit": report})
+    return sched, report
