@@ -251,6 +251,9 @@ class DynamicScheduler(Scheduler):
         return Decision(tree, {"nodes": tree.n_nodes, "depth": tree.depth}, draft=draft)
 
 
+SCHEDULERS = ("static", "ladder", "hysteresis", "entropy", "dynamic")
+
+
 def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree: Optional[Tree] = None,
                    bank: Optional[str] = None, **kw) -> Scheduler:
     """Build a scheduler by name: static, ladder, hysteresis, entropy, dynamic."""
