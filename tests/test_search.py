@@ -1,0 +1,588 @@
+"""The topology lab: statistics pass, exact searches, latency model, held-out check, CLI."""
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_heads, save_tiny_base, tiny_model
+from entmtp import cli
+from entmtp.calibrate import (CalibrationStats, LatencyModel, RuleSpec, StepRecord, collect_stats, expand_by_value,
+                              latency_cache_path, load_or_measure_latency, prior_value, representative_tree, union_tree)
+from entmtp.checkpoints import save_heads
+from entmtp.data import DataError
+from entmtp.decoding import DecodeConfig, Engine
+from entmtp.search import (dp_support, evaluate_trees, frontier, greedy_trees, optimal_subtrees, pareto,
+                           positional_value_fn, positional_values, run_search, search_trees)
+from entmtp.trees import Tree, resolve_tree
+
+VOCAB = 24  # small, so that random heads' drafts are often accepted
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one torch thread avoids oversubscribing the shared CPUs (much faster here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def full_tree(widths):
+    """Every rank path with rank < widths[d] at depth d."""
+    paths, level = [], [()]
+    for w in widths:
+        level = [p + (r,) for p in level for r in range(w)]
+        paths += level
+    return Tree.from_paths(paths)
+
+
+def all_subtrees(support: Tree, max_n: int):
+    """Brute force: every prefix-closed subset of `support` with at most max_n nodes (each once)."""
+    ch, paths = support.children, support.node_paths
+
+    def rec(chosen, cands):
+        yield chosen
+        if len(chosen) == max_n:
+            return
+        for i, c in enumerate(cands):
+            yield from rec(chosen + [paths[c]], cands[i + 1:] + ch[c])
+
+    for nodes in rec([], list(ch[0])):
+        yield Tree.from_paths(nodes)
+
+
+def chain_records(union: Tree, n: int, seed: int) -> list[StepRecord]:
+    """Greedy-like records: each step accepts one random root-to-node chain (or nothing)."""
+    rnd = random.Random(seed)
+    ch, paths = union.children, union.node_paths
+    out = []
+    for i in range(n):
+        node, acc = 0, []
+        while ch[node] and rnd.random() < 0.7:
+            node = rnd.choice(ch[node][:3] if rnd.random() < 0.8 else ch[node])
+            acc.append(paths[node])
+        out.append(StepRecord(f"p{i % 7}", i, tuple(acc)))
+    return out
+
+
+def set_records(union: Tree, n: int, seed: int) -> list[StepRecord]:
+    """Typical-like records: random prefix-closed accepted sets (several children may pass)."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        acc: set = set()
+        for p in union.paths:
+            if (len(p) == 1 or p[:-1] in acc) and rnd.random() < 0.45:
+                acc.add(p)
+        out.append(StepRecord(f"p{i % 5}", i, tuple(sorted(acc, key=lambda q: (len(q), q)))))
+    return out
+
+
+def walk_length(tree: Tree, accepted: set) -> int:
+    """Accepted drafts of `tree` by walking it: the deepest node reachable through accepted nodes."""
+    best, stack = 0, [0]
+    while stack:
+        node = stack.pop()
+        best = max(best, len(tree.node_paths[node]))
+        stack += [c for c in tree.children[node] if tree.node_paths[c] in accepted]
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def engine3() -> Engine:
+    m = tiny_model("llama", vocab=VOCAB, seed=3)
+    return Engine(m, None, {"hydra": random_heads(m, "hydra", num_heads=3, seed=2),
+                            "medusa": random_heads(m, "medusa", num_heads=3, seed=1)})
+
+
+PROMPTS = [("a", [5, 9, 2, 7]), ("b", [3, 4, 5, 6, 7, 8]), ("c", [11, 12]), ("d", [20, 2, 2, 9, 13])]
+
+
+# ---- exact searches ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("widths,seed", [((3, 2, 2), 0), ((4, 2), 1), ((2, 2, 2, 1), 2)])
+def test_dp_equals_brute_force(widths, seed):
+    support = full_tree(widths)
+    rnd = random.Random(seed)
+    value = {p: rnd.random() * (0.3 if rnd.random() < 0.3 else 1.0) for p in support.paths}
+    dp = optimal_subtrees(support, value, 6)
+    for n in range(1, 7):
+        best = max(sum(value[p] for p in t.paths) for t in all_subtrees(support, n))
+        v, tree = dp[n - 1]
+        assert v == pytest.approx(best, abs=1e-12)
+        assert tree.n_nodes <= n and sum(value[p] for p in tree.paths) == pytest.approx(v, abs=1e-12)
+    # a depth limit cuts the support
+    v2, t2 = optimal_subtrees(support, value, 4, max_depth=1)[-1]
+    assert t2.depth == 1 and v2 == pytest.approx(max(sum(value[p] for p in t.paths) for t in all_subtrees(support.truncated(1), 4)))
+
+
+def test_positional_dp_equals_brute_force_on_records():
+    union = full_tree((3, 2, 2))
+    stats = CalibrationStats.rollout(union, RuleSpec(), chain_records(union, 300, seed=4))
+    pos = positional_values(stats)
+    rate = stats.positional_rates()[0]
+    assert pos[(1, 0, 1)] == pytest.approx(rate[1, 1] * rate[2, 0] * rate[3, 1])
+    for n, (v, t) in enumerate(optimal_subtrees(union, pos, 5), start=1):
+        assert v == pytest.approx(max(sum(pos[p] for p in s.paths) for s in all_subtrees(union, n)), abs=1e-12)
+
+
+def test_greedy_expansion_is_the_optimum_on_chain_records():
+    union = full_tree((3, 2, 2))
+    stats = CalibrationStats.rollout(union, RuleSpec(), chain_records(union, 400, seed=1))
+    greedy = greedy_trees(stats, 6)
+    subtrees = list(all_subtrees(union, 6))
+    probs = stats.node_acceptance()
+    for n in range(1, 7):
+        best = max(stats.expected_tau(t) for t in subtrees if t.n_nodes <= n)
+        assert greedy[n - 1].n_nodes == n
+        assert stats.expected_tau(greedy[n - 1]) == pytest.approx(best, abs=1e-12)
+        # chain records: E[accepted] = sum of node acceptance probabilities (top-N is optimal)
+        assert stats.expected_tau(greedy[n - 1]) == pytest.approx(1 + sum(probs[p] for p in greedy[n - 1].paths))
+    # the DP with empirical node values agrees
+    dp = optimal_subtrees(union, probs, 6)
+    for n in range(1, 7):
+        assert 1 + dp[n - 1][0] == pytest.approx(stats.expected_tau(greedy[n - 1]))
+    # greedy with a depth limit
+    assert all(t.depth <= 2 for t in greedy_trees(stats, 5, max_depth=2))
+
+
+def test_scorer_equals_direct_walk_on_typical_records():
+    union = full_tree((3, 2, 2))
+    records = set_records(union, 120, seed=7)
+    stats = CalibrationStats.rollout(union, RuleSpec("typical"), records)
+    rnd = random.Random(0)
+    subtrees = list(all_subtrees(union, 5))
+    for t in rnd.sample(subtrees, 40) + [union]:
+        direct = [walk_length(t, set(r.accepted_paths)) for r in records]
+        assert stats.accepted_lengths(t).tolist() == direct
+        assert stats.expected_tau(t) == pytest.approx(1 + np.mean(direct))
+    # greedy is a heuristic here, never better than the brute-force optimum
+    g = greedy_trees(stats, 4)
+    assert stats.expected_tau(g[3]) <= max(stats.expected_tau(t) for t in subtrees if t.n_nodes <= 4) + 1e-12
+    # nodes outside the union count as never accepted
+    outside = Tree.from_paths([[0], [7], [7, 0]])
+    assert stats.columns(outside)[1] == 2
+    assert stats.expected_tau(outside) == stats.expected_tau(Tree.from_paths([[0]]))
+
+
+def test_union_and_representative_trees():
+    u = union_tree(4, 128, include=[resolve_tree("mc_sim_7b_63")])
+    assert u.depth == 4 and 128 <= u.n_nodes <= 140
+    assert set(resolve_tree("mc_sim_7b_63").paths) <= set(u.paths)
+    assert union_tree(2, 30).n_nodes == 30 and union_tree(2, 30).depth == 2
+    for n, d in [(1, 1), (7, 2), (30, 4), (64, 3)]:
+        t = representative_tree(n, d)
+        assert (t.n_nodes, t.depth) == (n, d)
+    assert expand_by_value(prior_value, 3, 2) == [(0,), (1,), (0, 0)]
+    with pytest.raises(ValueError):
+        union_tree(4, 10_000)
+
+
+# ---- the statistics pass on a real (tiny) engine ----------------------------------------------------
+
+def reference_continuation(model, ids, n):
+    """Plain greedy continuation without a cache (independent of the engine)."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@pytest.mark.parametrize("heads", ["hydra", "medusa"])
+def test_recorded_stats_replay_a_fixed_greedy_trace(heads):
+    eng = engine3()
+    union = union_tree(3, 30)
+    stats = collect_stats(eng, heads, PROMPTS, union, "greedy", max_new_tokens=16, method="rollout")
+    by_key = {(r.prompt_id, r.step): r for r in stats.records}
+    replay: dict = {}
+    for pid, ids in PROMPTS:
+        res = eng.run(ids, heads=heads, tree=union, config=DecodeConfig(max_new_tokens=16))
+        ref = reference_continuation(eng.model, ids, 16 + union.depth + 1)
+        pos = 0
+        for s in res.steps:
+            if s.time_verify > 0:
+                assert ref[pos] == s.tokens[0]
+                acc = set()
+                for j, p in enumerate(union.node_paths[1:], start=1):
+                    chain, node = [], j
+                    while node > 0:
+                        chain.append(node)
+                        node = union.parent_list[node]
+                    if all(s.tokens[k] == ref[pos + len(union.node_paths[k])] for k in chain):
+                        acc.add(p)
+                rec = by_key[(pid, s.index)]
+                assert set(rec.accepted_paths) == acc and rec.position == pos
+                replay[(pid, s.index)] = acc
+            pos += s.n_emitted
+    assert len(replay) == stats.n_steps and stats.n_steps > 10
+    assert any(r.accepted_paths for r in stats.records)  # something is accepted: the test is not vacuous
+    rnd = random.Random(1)
+    subs = [Tree.from_paths(rnd.sample(list(t.paths), 0) + list(t.paths)) for t in
+            [union.truncated(1), union.truncated(2), Tree.from_paths([[0], [0, 0], [0, 0, 0]]), union]]
+    for t in subs:
+        direct = [walk_length(t, replay[(r.prompt_id, r.step)]) for r in stats.records]
+        assert stats.expected_tau(t) == pytest.approx(1 + np.mean(direct))
+    # the signals of every step are recorded
+    r0 = stats.records[0]
+    assert 0 < r0.root_prob <= 1 and r0.root_entropy > 0 and 0 < r0.draft_top1 <= 1 and r0.draft_entropy > 0
+
+
+@pytest.mark.parametrize("rule", ["greedy", "typical"])
+def test_rollout_prediction_equals_on_policy_tau_for_the_union_itself(rule):
+    eng = engine3()
+    tree = resolve_tree("binary_2x2")
+    stats = collect_stats(eng, "hydra", PROMPTS, tree, rule, max_new_tokens=20, signals=False, method="rollout")
+    assert stats.mode == "rollout"
+    m, base = evaluate_trees(eng, "hydra", [tree], PROMPTS, rule, max_new_tokens=20)
+    assert m.n_steps == stats.n_steps
+    assert stats.expected_tau(tree) == pytest.approx(m.tau, abs=1e-12)
+    assert base.tau == 1.0 and base.name == "baseline"
+    if rule == "greedy":
+        assert m.identical_to_baseline is True
+    else:  # typical: every accepted set is prefix-closed and contains the chosen path
+        assert all(all(len(p) == 1 or p[:-1] in set(r.accepted_paths) for p in r.accepted_paths) for r in stats.records)
+
+
+@functools.lru_cache(maxsize=None)
+def engine_all() -> Engine:
+    """hydra, medusa, hydra++ and a hydra with a draft vocabulary; EOS set to a token the
+    model emits often, so generations end early and the replay's EOS handling is exercised."""
+    m = tiny_model("llama", vocab=VOCAB, seed=3)
+    heads = {"hydra": random_heads(m, "hydra", num_heads=3, seed=2), "medusa": random_heads(m, "medusa", num_heads=3, seed=1),
+             "hydra++": random_heads(m, "hydra", num_heads=3, prefix=True, seed=3),
+             "hydra-dv": random_heads(m, "hydra", num_heads=3, seed=4, draft_vocab_size=12)}
+    with torch.no_grad():
+        heads["hydra-dv"].draft_vocab.copy_(torch.arange(0, VOCAB, 2))
+    eng = Engine(m, None, heads)
+    cont = reference_continuation(m, PROMPTS[1][1], 12)
+    m.config.eos_token_id = cont[9]
+    return eng
+
+
+TREES = ["binary_2x2", "wide3_chain2", "chain_3", "gappy_5"]
+
+
+@pytest.mark.parametrize("heads", ["hydra", "medusa", "hydra++", "hydra-dv"])
+def test_trace_replay_equals_on_policy_decoding(heads):
+    """Trace statistics replay decoding exactly: the predicted tau of a tree equals the tau of
+    the engine decoding the same prompts with that tree (greedy), EOS and max_new_tokens included."""
+    eng = engine_all()
+    stats = collect_stats(eng, heads, PROMPTS, rule="greedy", max_new_tokens=20, batch_size=2, max_rank=10)
+    assert stats.mode == "trace" and stats.n_steps > 20
+    assert any(info["eos_at"] is not None for info in stats.prompts.values())  # EOS is exercised
+    trees = [resolve_tree(t).truncated(3) for t in TREES] + [union_tree(3, 40)]
+    measured = evaluate_trees(eng, heads, trees, PROMPTS, "greedy", max_new_tokens=20, baseline=False, warmup=False)
+    for t, m in zip(trees, measured):
+        steps, acc, _ = stats.simulate(t)
+        assert stats.columns(t)[1] == 0
+        assert (steps, acc) == (m.n_steps, m.accepted), t.name
+        assert stats.predict_tau(t) == pytest.approx(m.tau, abs=1e-12)
+    assert any(m.accepted for m in measured)  # drafts are accepted: not vacuous
+    # a rank the statistics do not cover counts as never accepted (a lower bound)
+    narrow = collect_stats(eng, heads, PROMPTS, rule="greedy", max_new_tokens=20, max_rank=2)
+    assert narrow.columns(trees[-1])[1] > 0 and narrow.predict_tau(trees[-1]) <= stats.predict_tau(trees[-1])
+    r0 = stats.records[0]
+    assert 0 < r0.root_prob <= 1 and r0.root_entropy > 0 and 0 < r0.draft_top1 <= 1 and r0.draft_entropy > 0
+
+
+def test_trace_batched_equals_one_by_one_and_sampling_runs():
+    eng = engine_all()
+    a = collect_stats(eng, "hydra", PROMPTS, rule="greedy", max_new_tokens=16, batch_size=1)
+    b = collect_stats(eng, "hydra", PROMPTS, rule="greedy", max_new_tokens=16, batch_size=4)
+    assert [r.accepted_paths for r in a.records] == [r.accepted_paths for r in b.records]
+    assert a.prompts == b.prompts
+    s = collect_stats(eng, "hydra", PROMPTS, rule=RuleSpec("sampling", temperature=0.8, seed=1), max_new_tokens=16)
+    s2 = collect_stats(eng, "hydra", PROMPTS[::-1], rule=RuleSpec("sampling", temperature=0.8, seed=1), max_new_tokens=16)
+    assert s.mode == "trace" and s.to_json()["records"] == s2.to_json()["records"]  # per-prompt seeds: order-free
+    assert 1.0 <= s.predict_tau(resolve_tree("binary_2x2")) <= 3.0
+    with pytest.raises(ValueError, match="rollout"):
+        collect_stats(eng, "hydra", PROMPTS, rule="typical", method="trace")
+
+
+def test_trace_positional_rates_and_greedy_search():
+    eng = engine_all()
+    stats = collect_stats(eng, "hydra", PROMPTS, rule="greedy", max_new_tokens=20, max_rank=6)
+    rate, num, den = stats.positional_rates()
+    assert den[1, 0] == stats.n_steps and 0 <= rate.min() and rate.max() <= 1
+    assert num[1].sum() == sum(1 for r in stats.records if r.accept_length >= 1)
+    # the DP's trace support (top nodes by positional value) loses nothing against all rank paths
+    pos = positional_value_fn(stats)
+    full = full_tree((6, 6, 6))
+    for d in (1, 2, 3):
+        a = [v for v, _ in optimal_subtrees(full, pos, 8, d)]
+        b = [v for v, _ in optimal_subtrees(dp_support(stats, 8, d), pos, 8, d)]
+        assert a == pytest.approx(b, abs=1e-12)
+    probs = stats.node_acceptance()
+    for n, t in enumerate(greedy_trees(stats, 6), start=1):
+        # top-N by acceptance probability: the per-position expectation is the optimum
+        assert t.n_nodes == min(n, stats.support.n_nodes)
+        assert stats.expected_tau(t) == pytest.approx(1 + sum(sorted(probs.values(), reverse=True)[:t.n_nodes]))
+
+
+def test_stats_json_round_trip_and_merge_of_shards(tmp_path):
+    eng = engine3()
+    union = union_tree(3, 20)
+    for method in ("trace", "rollout"):
+        kw = dict(max_new_tokens=12, meta={"data_sha256": "x"}, method=method, batch_size=1)
+        one = collect_stats(eng, "hydra", PROMPTS, union, "greedy", **kw)
+        a = collect_stats(eng, "hydra", PROMPTS[::2], union, "greedy", **kw)
+        b = collect_stats(eng, "hydra", PROMPTS[1::2], union, "greedy", **kw)
+        merged = CalibrationStats.merge([b, a])
+        assert merged.to_json() == one.to_json() and merged.mode == method
+        one.save(tmp_path / "s.json")
+        back = CalibrationStats.load(tmp_path / "s.json")
+        assert back.to_json() == one.to_json()
+        assert back.predict_tau(union) == one.predict_tau(union)
+        with pytest.raises(DataError):
+            CalibrationStats.merge([a, a])
+    with pytest.raises(DataError):
+        CalibrationStats.merge([a, collect_stats(eng, "hydra", PROMPTS[:1], union_tree(3, 10), "greedy", 4, method="rollout")])
+    with pytest.raises(DataError):
+        CalibrationStats.merge([a, collect_stats(eng, "hydra", PROMPTS[:1], None, "greedy", 4)])
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(DataError, match="not an entmtp calibration"):
+        CalibrationStats.load(tmp_path / "bad.json")
+
+
+# ---- latency model ----------------------------------------------------------------------------
+
+def test_latency_model_fit_and_json():
+    lm = LatencyModel(0.010, {1: [(1, 0.020), (4, 0.018), (8, 0.030)], 2: [(2, 0.025), (8, 0.035)]})
+    assert lm.cost(0, 0) == 0.010
+    assert lm.cost(1, 1) == pytest.approx(0.019)  # monotone fit pools the noisy dip
+    assert lm.cost(4, 1) == pytest.approx(0.019)
+    assert lm.cost(6, 1) == pytest.approx(0.019 + 0.011 / 2)
+    assert lm.cost(16, 1) == pytest.approx(0.030 + 8 * 0.011 / 4)  # extrapolated with the last slope
+    assert lm.cost(5, 2) == pytest.approx(0.030)
+    assert lm.cost(5, 3) == lm.cost(5, 2)  # nearest measured depth
+    assert lm.speedup(2.0, 8, 1) == pytest.approx(2.0 * 0.010 / 0.030)
+    back = LatencyModel.from_json(json.loads(json.dumps(lm.to_json())))
+    assert back.points == lm.points and back.cost(6, 1) == lm.cost(6, 1)
+
+
+def test_latency_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path))
+    eng = engine3()
+    lm = load_or_measure_latency(eng, "hydra", max_nodes=4, repeats=1, context_tokens=16)
+    path = latency_cache_path(eng, "hydra")
+    assert path.is_file() and path.parent == tmp_path / "latency" and not lm.meta["cached"]
+    assert lm.depths == [1, 2, 3] and lm.max_nodes == 4 and lm.baseline_s > 0
+    again = load_or_measure_latency(eng, "hydra", max_nodes=4)
+    assert again.meta["cached"] and again.points == lm.points
+    assert not load_or_measure_latency(eng, "hydra", max_nodes=4, remeasure=True, repeats=1, context_tokens=16).meta["cached"]
+    assert latency_cache_path(eng, "medusa") != path
+
+
+# ---- search, frontier, report ---------------------------------------------------------------------
+
+def test_frontier_and_pareto():
+    union = full_tree((3, 2, 2))
+    stats = CalibrationStats.rollout(union, RuleSpec(), chain_records(union, 200, seed=2), {"num_heads": 3})
+    lm = LatencyModel(0.01, {d: [(1, 0.012), (4, 0.016), (12, 0.04)] for d in (1, 2, 3)})
+    cands = search_trees(stats, [2, 4, 8], lm, references=[resolve_tree("binary_2x2")])
+    assert len({c.id for c in cands}) == len(cands)
+    assert {"greedy", "dp", "reference"} <= {m for c in cands for m in c.methods}
+    front = frontier(cands, [2, 4, 8])
+    byid = {c.id: c for c in cands}
+    for f in front:
+        best = byid[f["best_tokens_per_s"]]
+        pool = [c for c in cands if c.n_nodes <= f["budget"] and c.methods != ["reference"]]
+        assert best.n_nodes <= f["budget"]
+        assert best.predicted_tokens_per_s == max(c.predicted_tokens_per_s for c in pool)
+        assert byid[f["best_tau"]].predicted_tau == max(c.predicted_tau for c in pool)
+    pts = pareto(cands, lambda c: c.predicted_tau)
+    assert [c.n_nodes for c in pts] == sorted(c.n_nodes for c in pts)
+    assert all(b.predicted_tau > a.predicted_tau for a, b in zip(pts, pts[1:]))
+    with pytest.raises(ValueError, match="budgets"):
+        search_trees(stats, [0, 4], lm)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("search")
+    model, tok = save_tiny_base(d / "base")
+    save_heads(random_heads(model, "hydra", num_heads=3, seed=2), d / "hydra")
+    texts = ["hello world", "the cat sat on the mat", "what is the capital of france?", "one two three four",
+             "paris is the capital", "how are you today?", "five six seven", "the mat", "hello there", "ten nine eight"]
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": t}) for i, t in enumerate(texts)) + "\n")
+    return d
+
+
+def test_run_search_library_api(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    from entmtp.checkpoints import load_heads
+    from entmtp.data import load_prompts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "base")
+    eng = Engine(model, AutoTokenizer.from_pretrained(tiny_dir / "base"), {"hydra": load_heads(tiny_dir / "hydra")})
+    seen = set()
+    rep = run_search(eng, "hydra", load_prompts(tiny_dir / "prompts.jsonl"), [2, 4], max_new_tokens=10, union_nodes=20,
+                     latency_repeats=1, progress=lambda phase, done, total: seen.add(phase))
+    assert {"statistics", "latency", "search", "held-out"} <= seen
+    d = rep.to_json()
+    assert d["provenance"]["data"]["sha256"] and d["provenance"]["machine"]["cpu_count"]
+    ho = set(d["provenance"]["data"]["held_out_ids"])
+    assert ho and not ho & set(d["provenance"]["data"]["calibration_ids"])
+    rows = d["held_out"]["comparisons"]
+    assert rows and all(r["within_tolerance"] or r["explanation"] for r in rows)
+    assert d["held_out"]["identical_outputs"] is True
+    assert set(rep.figures()) == {"tau", "tokens_per_s"}
+    json.dumps(d)  # JSON-safe (no NaN)
+    assert d["stats"]["mode"] == "trace"
+    # typical acceptance: union rollouts, the held-out gap split by a union pass over the held-out prompts
+    typ = run_search(eng, "hydra", load_prompts(tiny_dir / "prompts.jsonl"), [2, 4], rule="typical", max_new_tokens=8,
+                     union_nodes=20, latency_repeats=1, max_eval=2)
+    t = typ.to_json()
+    assert t["stats"]["mode"] == "rollout" and t["union"]["n_nodes"] >= 20
+    assert all(r["held_out_predicted_tau"] is not None for r in t["held_out"]["comparisons"] if r["held_out_tau"] is not None)
+    assert "union rollouts" in typ.markdown()
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_search_and_score_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    code, stdout, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra",
+                            "--data", tiny_dir / "prompts.jsonl", "--budgets", "2,4", "--out", out, "--max-new-tokens", 10,
+                            "--union-nodes", 20, "--latency-repeats", 1, "--no-progress", "--save-trees-to", saved)
+    assert code == 0, err
+    for f in ("search.json", "stats.json", "frontier.html", "report.md"):
+        assert (out / f).is_file()
+    res = json.loads((out / "search.json").read_text())
+    assert res["format"] == "entmtp-search/1" and res["budgets"] == [2, 4]
+    assert res["provenance"]["rule"]["name"] == "greedy" and res["provenance"]["heads"]["label"] == "hydra"
+    chosen = [c for c in res["chosen"] if c["role"] == "tokens_per_s"]
+    assert [c["budget"] for c in chosen] == [2, 4]
+    for c in res["chosen"]:
+        tree = resolve_tree(str(out / c["file"]))
+        assert tree.n_nodes <= c["budget"] and (saved / (out / c["file"]).name).is_file()
+        saved_json = json.loads((out / c["file"]).read_text())
+        assert saved_json["paths"] == [list(p) for p in tree.paths] and "predicted_tau" in saved_json
+    assert "Held-out check" in (out / "report.md").read_text()
+    assert "plotly" in (out / "frontier.html").read_text()[:200000].lower()
+    assert "b2" in stdout and "pred tau" in stdout
+    tree_file = out / chosen[-1]["file"]
+    # the saved tree works with `entmtp generate`
+    code, _, err = run(capsys, "generate", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--tree", tree_file,
+                       "hello", "--max-new-tokens", 6)
+    assert code == 0, err
+    # score with the search's statistics, and with a fresh statistics pass
+    for extra in (["--stats", out / "search.json"], []):
+        code, stdout, err = run(capsys, "score", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--tree", tree_file,
+                                "--data", tiny_dir / "prompts.jsonl", "--max-new-tokens", 8, "--max-prompts", 3,
+                                "--union-nodes", 20, "--no-progress", "--json", *extra)
+        assert code == 0, err
+        r = json.loads(stdout)
+        assert r["predicted"]["tau"] >= 1 and r["measured"]["tau"] >= 1 and r["n_prompts"] == 3
+        assert r["measured"]["identical_to_baseline"] is True
+    assert r["statistics"].startswith("statistics pass") and r["predicted"]["nodes_not_covered"] == 0
+
+
+@pytest.mark.parametrize("content,extra,needle", [
+    ('{"not json', [], "prompts.json"),
+    ('[]', [], ""),
+    ('{"id": 1, "prompt": "hi"}\n', ["--budgets", "4,x"], "--budgets must be comma-separated integers"),
+    ('{"id": 1, "prompt": "hi"}\n', ["--budgets", "0"], "node budgets must be in 1.."),
+])
+def test_cli_bad_input_is_one_line(tiny_dir, tmp_path, capsys, content, extra, needle):
+    f = tmp_path / "prompts.json"
+    f.write_text(content)
+    code, _, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--data", f,
+                       "--out", tmp_path / "o", "--no-progress", *extra)
+    assert code == 2 and err.startswith("error:") and needle in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_score_errors(tiny_dir, tmp_path, capsys):
+    bad = tmp_path / "stats.json"
+    bad.write_text("[1, 2]")
+    code, _, err = run(capsys, "score", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--tree", "chain_2",
+                       "--data", tiny_dir / "prompts.jsonl", "--stats", bad)
+    assert code == 2 and "not an entmtp calibration statistics file" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "score", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--tree", "chain_5",
+                       "--data", tiny_dir / "prompts.jsonl", "--max-prompts", 1)
+    assert code == 2 and "exceeds the 3 draft heads" in err
+
+
+def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path, capsys, monkeypatch):
+    """`accelerate launch` with 2 CPU processes: prompts are sharded, the statistics gathered
+    and merged on the main process -- the same statistics as one process.
+    (accelerate 1.15's `--cpu` launcher starts one process; `--multi_gpu` (torchrun) starts two.)"""
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    args = ["search", "--base", str(tiny_dir / "base"), "--heads", str(tiny_dir / "hydra"), "--data", str(tiny_dir / "prompts.jsonl"),
+            "--budgets", "2,4", "--max-new-tokens", "10", "--latency-repeats", "1", "--threads", "1", "--no-progress",
+            "--eval-prompts", "1"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", ENTMTP_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    import socket
+
+    with socket.socket() as sock:  # a free port: other test runs on this machine may use the default one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "entmtp", *args,
+           "--out", str(tmp_path / "two")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert run(capsys, *args, "--out", tmp_path / "one")[0] == 0
+    two = json.loads((tmp_path / "two" / "stats.json").read_text())
+    one = json.loads((tmp_path / "one" / "stats.json").read_text())
+    assert two["prompts"] == one["prompts"] and two["prompt_ids"] == one["prompt_ids"] and len(one["prompt_ids"]) > 2
+    r1, r2 = one["records"], two["records"]
+    for col in ("prompt", "step", "position", "accepted"):
+        assert r2[col] == r1[col]
+    for col in ("root_entropy", "root_prob", "draft_entropy", "draft_top1"):  # batches are padded differently
+        assert r2[col] == pytest.approx(r1[col], abs=1e-4)
+    assert json.loads((tmp_path / "two" / "search.json").read_text())["provenance"]["processes"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_benchmark_search_200_prompts_embedded_model_under_15_minutes(tmp_path, monkeypatch):
+    """Benchmark (slow, not in the default run): search budgets up to 64 on 200 calibration
+    prompts of the embedded SmolLM2-135M with its Hydra heads (random heads when none are
+    trained yet -- the trace statistics cost does not depend on acceptance), on this CPU."""
+    import time
+
+    from entmtp.data import load_prompts
+    from entmtp.models import DEFAULT_HEADS_DIR, HEAD_KINDS, load_engine
+
+    monkeypatch.setenv("ENTMTP_CACHE_LATENCY_UNUSED", "1")
+    torch.set_num_threads(1)  # the 2 cores are shared: one thread is faster here
+    trained = (DEFAULT_HEADS_DIR / HEAD_KINDS["hydra"]).is_dir()
+    eng = load_engine("default", {"hydra": "hydra"} if trained else {}, progress=None)
+    if not trained:
+        from entmtp.heads import DraftHeads, HeadsConfig
+
+        eng.add_heads("hydra", DraftHeads(HeadsConfig.for_base(eng.model.config, "hydra", num_heads=4)))
+    data = Path(__file__).resolve().parent.parent / "runs" / "train_prompts.jsonl"
+    if not data.is_file():
+        pytest.skip("runs/train_prompts.jsonl is missing")
+    ps = load_prompts(data)
+    t0 = time.perf_counter()
+    rep = run_search(eng, "hydra", ps, [4, 8, 16, 32, 64], max_calibration=200, max_eval=1, max_held_out=8,
+                     remeasure=True)
+    total = time.perf_counter() - t0
+    assert rep.provenance["data"]["n_calibration"] == 200
+    search_time = rep.timings["statistics_s"] + rep.timings["latency_s"] + rep.timings["search_s"]
+    print(f"benchmark: statistics+latency+search {search_time:.0f} s, total with held-out {total:.0f} s; {rep.timings}")
+    assert search_time < 15 * 60
