@@ -1086,16 +1086,19 @@ def machine_info() -> dict:
 
 
 def latency_key(engine: Engine, heads: str) -> dict:
-    """What a cached latency model depends on."""
+    """What a cached latency model depends on: the architecture (config, not the path or the
+    weights), device, dtype, the heads' shape and the CPU threads."""
     from .models import describe_model
 
     info = describe_model(engine.model)
-    runner = engine.runners[heads]
-    dev = str(engine.device)
+    cfg = engine.model.config.to_dict()
+    for k in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "entmtp_info"):
+        cfg.pop(k, None)
+    heads_cfg = {k: v for k, v in engine.runners[heads].config.to_dict().items() if k not in ("base_model", "notes")}
     return {"model": info.get("name"), "architecture": info.get("architecture"), "n_params": info.get("n_params"),
-            "device": dev, "dtype": str(engine.dtype).removeprefix("torch."), "heads": runner.config.to_dict(),
-            "threads": torch.get_num_threads() if engine.device.type == "cpu" else None,
-            "torch": torch.__version__}
+            "model_config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,
+            "threads": torch.get_num_threads() if engine.device.type == "cpu" else None, "torch": torch.__version__}
 
 
 def latency_cache_path(engine: Engine, heads: str) -> Path:
@@ -1103,7 +1106,8 @@ def latency_cache_path(engine: Engine, heads: str) -> Path:
     from .models import cache_dir
 
     key = latency_key(engine, heads)
-    tag = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    tag = hashlib.sha256(json.dumps({k: v for k, v in key.items() if k != "model"}, sort_keys=True,
+                                    default=str).encode()).hexdigest()[:8]
     model = _slug(Path(str(key["model"])).name)
     label = engine.runners[heads].label
     return cache_dir() / "latency" / f"{model}-{_slug(key['device'])}-{key['dtype']}-{_slug(label)}-{tag}.json"
