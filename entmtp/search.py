@@ -516,6 +516,19 @@ class SearchReport:
     held_out_stats: Optional[CalibrationStats] = None
     timings: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    bank: Optional[Any] = None  # EntropyBucketScheduler fitted from the same statistics
+    bank_report: Optional[dict] = None
+
+    def fit_bank(self, n_buckets: int = 4) -> None:
+        """Fit the entropy bank (bucket of the root entropy -> tree) from these statistics:
+        the candidates are every searched tree; the objective is overall expected tokens/s."""
+        from .bank import fit_entropy_bank
+
+        if self.latency is None or not any(math.isfinite(r.root_entropy) for r in self.stats.records):
+            return
+        pool = [c for c in self.candidates if c.methods != ["reference"]]
+        trees = [Tree(c.tree.paths, f"{self.tree_prefix()}-{c.id}") for c in pool]
+        self.bank, self.bank_report = fit_entropy_bank(self.stats, trees, self.latency, n_buckets=n_buckets)
 
     # ---- lookups ---------------------------------------------------------------------------
     def candidate(self, cid: str) -> Candidate:
@@ -556,6 +569,7 @@ class SearchReport:
         return _clean({
             "format": SEARCH_FORMAT,
             "provenance": self.provenance,
+            "entropy_bank": self.bank_report,
             "budgets": self.budgets,
             "union": ({"n_nodes": self.stats.union.n_nodes, "depth": self.stats.union.depth,
                        "depth_counts": self.stats.union.depth_counts, "paths": [list(p) for p in self.stats.union.paths]}
@@ -699,6 +713,13 @@ class SearchReport:
             pts = [self.candidate(i) for i in ids]
             val = (lambda c: f"{c.predicted_tau:.2f}") if key == "tau" else (lambda c: f"{c.predicted_tokens_per_s:.1f}")
             L.append(f"- nodes vs {key}: " + ", ".join(f"{c.n_nodes}:{val(c)}" for c in pts))
+        if self.bank_report:
+            b = self.bank_report
+            L += ["", "## Entropy bank (bucket of the root entropy -> tree)", "",
+                  f"Edges (nats): {b['edges']}; predicted {b['predicted_tokens_per_s']:.2f} tokens/s vs the best static tree "
+                  f"{b['best_static']['tree']} {b['best_static']['predicted_tokens_per_s']:.2f} ({b['predicted_gain_vs_static']:+.1%}), "
+                  "same records and latency model.", "", "| bucket | records | tree | predicted tau |", "|---|---|---|---|"]
+            L += [f"| {i} | {c['records']} | {c['tree']} | {c['predicted_tau']:.2f} |" for i, c in enumerate(b["cells"])]
         if self.warnings:
             L += ["", "## Warnings", ""] + [f"- {w}" for w in self.warnings]
         if self.timings:
@@ -743,11 +764,17 @@ class SearchReport:
         files["frontier"] = out / "frontier.html"
         (out / "report.md").write_text(self.markdown())
         files["report"] = out / "report.md"
+        if self.bank is not None:
+            self.bank.meta["provenance"] = short
+            self.bank.save(out / "bank.json")
+            files["bank"] = out / "bank.json"
         if save_trees_to:
             dst = Path(save_trees_to)
             dst.mkdir(parents=True, exist_ok=True)
             for p in tree_files:
                 shutil.copyfile(p, dst / p.name)
+            if self.bank is not None:
+                shutil.copyfile(out / "bank.json", dst / f"{self.tree_prefix()}-bank.json")
             files["saved_trees"] = dst
         return files
 
@@ -954,6 +981,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                   "processes": getattr(state, "num_processes", 1) if state is not None else 1,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report = SearchReport(provenance, budgets, stats, latency, cands, front, None, held_stats, timings)
+    report.fit_bank()
 
     # 4. held-out, on-policy
     if held:

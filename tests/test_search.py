@@ -478,6 +478,12 @@ def test_cli_search_and_score_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch
         saved_json = json.loads((out / c["file"]).read_text())
         assert saved_json["paths"] == [list(p) for p in tree.paths] and "predicted_tau" in saved_json
     assert "Held-out check" in (out / "report.md").read_text()
+    # the entropy bank is fitted from the same statistics and works with `--scheduler entropy`
+    bank_file = next(saved.glob("*-bank.json"))
+    assert (out / "bank.json").is_file() and res["entropy_bank"]["predicted_gain_vs_static"] >= -1e-9
+    code, _, err = run(capsys, "generate", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--scheduler", "entropy",
+                       "--bank", bank_file, "hello", "--max-new-tokens", 6)
+    assert code == 0, err
     assert "plotly" in (out / "frontier.html").read_text()[:200000].lower()
     assert "b2" in stdout and "pred tau" in stdout
     tree_file = out / chosen[-1]["file"]
