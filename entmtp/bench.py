@@ -9,7 +9,8 @@ output is token-identical to `hf`.
 
 Methods: hf (transformers greedy `generate`), pld (transformers prompt-lookup decoding),
 baseline (our autoregressive loop), medusa, hydra, hydra++ (our heads with their best
-static tree), entmtp (Hydra heads + the entropy-aware scheduler and its bank).
+static tree), entmtp (Hydra heads + the entropy-aware scheduler and its bank), dynamic (Hydra
+heads + EAGLE-2 style dynamic trees, for comparison).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-ALL_METHODS = ("hf", "pld", "baseline", "medusa", "hydra", "hydra++", "entmtp")
+ALL_METHODS = ("hf", "pld", "baseline", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("baseline", "medusa", "hydra", "hydra++", "entmtp")
+METHODS = ("baseline", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
 
 
 class CLIError(Exception):
@@ -56,7 +56,7 @@ def method_heads(method: str, args) -> str | None:
         return None
     if args.heads:
         return "custom"
-    return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra"}[method]
+    return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra", "dynamic": "hydra"}[method]
 
 
 def load_engine_for(args, methods: list[str]):
@@ -130,7 +130,8 @@ def build_scheduler(engine, heads_name, args):
     from .trees import resolve_tree
 
     tree = resolve_tree(args.tree) if args.tree else default_tree(engine, heads_name)
-    name = getattr(args, "scheduler", None) or ("entropy" if getattr(args, "method", "") == "entmtp" else "static")
+    method = getattr(args, "method", "")
+    name = getattr(args, "scheduler", None) or {"entmtp": "entropy", "dynamic": "dynamic"}.get(method, "static")
     if name == "static":
         return sched.Scheduler(tree)
     make = getattr(sched, "make_scheduler", None)

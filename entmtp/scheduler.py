@@ -264,7 +264,10 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
             raise ValueError("the static scheduler needs a tree")
         return Scheduler(tree)
     if name == "dynamic":
-        return DynamicScheduler(**{k: v for k, v in kw.items() if k in ("budget", "depth", "topk", "beam")})
+        opts = {k: v for k, v in kw.items() if k in ("budget", "depth", "topk", "beam")}
+        if engine is not None and heads in getattr(engine, "runners", {}):
+            opts["depth"] = min(opts.get("depth", 4), engine.runners[heads].config.num_heads)
+        return DynamicScheduler(**opts)
     if name == "entropy":
         if bank is None:
             bank = default_bank_path(engine, heads)
