@@ -233,6 +233,18 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
     (out / "report.html").write_text(f"<html><body><h1>entmtp bench</h1><pre>{meta['command']}</pre>{html}</body></html>")
 
 
+def take_per_category(prompts, k: int) -> list:
+    """The first k prompts of each category, in file order."""
+    count: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        c = p.category or "all"
+        if count.get(c, 0) < k:
+            count[c] = count.get(c, 0) + 1
+            out.append(p)
+    return out
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     from .cli import add_model_args
 
@@ -241,6 +253,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="hf,pld,baseline,medusa,hydra,entmtp")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--per-category", type=int, default=0, help="use only the first N prompts of each category (0 = all)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--tree", default=None, help="override the static tree of medusa / hydra")
     p.add_argument("--scheduler", default=None, help="override entmtp's scheduler")
@@ -260,7 +273,11 @@ def cmd_bench(args) -> int:
     if bad:
         raise CLIError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
     ps = load_prompts(args.prompts or bundled_prompts("bench"))
-    prompts = ps.prompts[: args.limit] if args.limit else ps.prompts
+    prompts = ps.prompts
+    if args.per_category:
+        prompts = take_per_category(prompts, args.per_category)
+    if args.limit:
+        prompts = prompts[: args.limit]
     for e in ps.skipped[:5]:
         print(f"skipped {e}", file=sys.stderr)
     engine = load_engine_for(args, [m for m in methods if m not in ("hf", "pld")])

@@ -1,0 +1,46 @@
+"""`entmtp bench` on a tiny model: every report written, identity to hf measured, ratios sane."""
+
+import csv
+import json
+
+from conftest import random_heads, save_tiny_base
+from entmtp import cli
+from entmtp.bench import take_per_category
+from entmtp.checkpoints import save_heads
+from entmtp.data import Prompt
+
+
+def test_bench_end_to_end(tmp_path, capsys):
+    model, _ = save_tiny_base(tmp_path / "base")
+    save_heads(random_heads(model, "hydra", num_heads=4), tmp_path / "hydra")
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"question_id": f"q{i}", "category": ["chat", "math"][i % 2], "turns": [f"hello world {i}"]} for i in range(6)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "bench"
+    code = cli.main(["bench", "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "hydra"), "--prompts", str(prompts),
+                     "--methods", "hf,pld,baseline,hydra,dynamic", "--max-new-tokens", "12", "--tree", "binary_2x2",
+                     "--per-category", "2", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["methods"]) == {"hf", "pld", "baseline", "hydra", "dynamic"}
+    for m, v in s["methods"].items():
+        assert v["identical_to_hf"] == 1.0  # float32 greedy: every method is lossless
+        assert v["tokens_per_s"] > 0 and v["tau"] >= 1.0 and v["prompts"] == 4
+    assert s["methods"]["hf"]["speedup_vs_hf"] == 1.0 and s["methods"]["baseline"]["tau"] == 1.0
+    assert set(s["categories"]) == {"chat", "math"}
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4 * 5
+    assert "| hydra |" in (out / "report.md").read_text() and "plotly" in (out / "report.html").read_text()
+    assert "baseline / hf tokens/s ratio" in printed.out
+
+
+def test_bad_method_is_one_line(tmp_path, capsys):
+    code = cli.main(["bench", "--methods", "hf,warp", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown method(s) warp" in err and len(err.strip().splitlines()) == 1
+
+
+def test_take_per_category():
+    ps = [Prompt.from_text(f"t{i}", id=str(i), category="ab"[i % 2]) for i in range(7)]
+    assert [p.id for p in take_per_category(ps, 2)] == ["0", "1", "2", "3"]
