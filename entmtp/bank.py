@@ -20,6 +20,10 @@ from .scheduler import EntropyBucketScheduler
 from .trees import Tree
 
 
+def _ratio(x: tuple[float, float, int]) -> float:
+    return x[0] / x[1] if x[1] else 0.0
+
+
 def quantile_edges(values: np.ndarray, n_buckets: int) -> list[float]:
     """Ascending, distinct interior quantile edges splitting `values` into ~equal buckets."""
     v = values[np.isfinite(values)]
@@ -33,6 +37,43 @@ def _bucket(values: np.ndarray, edges: list[float]) -> np.ndarray:
     idx = np.searchsorted(np.array(edges), np.nan_to_num(values, nan=np.nanmedian(values) if np.isfinite(values).any() else 0.0),
                           side="right")
     return idx
+
+
+def replay_assignment(stats, acc: np.ndarray, cost: np.ndarray, cell: np.ndarray, assign: np.ndarray) -> tuple[float, float, int]:
+    """Trace statistics: replay decoding where each step uses the tree of its start record's cell.
+
+    acc [T, R] accepted drafts of each candidate at each record; cost [T] seconds per step;
+    cell [R] bucket of each record; assign [C] candidate index per bucket. Same stops as
+    `CalibrationStats.simulate` (max_new_tokens, EOS). Returns (tokens, seconds, steps).
+    """
+    max_new = int(stats.meta.get("max_new_tokens") or 0)
+    first: dict[str, int] = {}
+    for k, r in enumerate(stats.records):
+        first.setdefault(r.prompt_id, k)
+    tokens = seconds = 0.0
+    steps = 0
+    for pid, info in stats.prompts.items():
+        n, eos = int(info["n_positions"]), info.get("eos_at")
+        s0 = first.get(pid, 0)
+        emitted = o = 0
+        while True:
+            remaining = max_new - emitted
+            if remaining <= 1 or (eos is not None and o == eos) or o >= n:
+                break
+            t = assign[cell[s0 + o]]
+            l = int(acc[t, s0 + o])
+            seconds += cost[t]
+            steps += 1
+            k = min(l + 1, remaining)
+            if eos is not None and o <= eos < o + k:
+                tokens += eos - o + 1
+                break
+            tokens += k
+            emitted += k
+            if emitted >= max_new:
+                break
+            o += l + 1
+    return tokens, seconds, steps
 
 
 def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int = 4, draft_buckets: int = 0,
@@ -82,6 +123,32 @@ def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int 
             break
         choice, lam = new, new_lam
 
+    method = "dinkelbach over records"
+    static_tau = float(1 + acc[best_static].mean())
+    if getattr(stats, "mode", "") == "trace" and stats.prompts:
+        # Exact on-policy objective: replay decoding with the bucket -> tree table and improve
+        # the table one bucket at a time (coordinate ascent from the best static tree).
+        method = "coordinate ascent on exact replay"
+        best_static = max(range(len(cands)), key=lambda t: _ratio(replay_assignment(stats, acc, cost, cell, np.full(n_cells, t))))
+        choice = np.full(n_cells, best_static)
+        tok, sec, steps = replay_assignment(stats, acc, cost, cell, choice)
+        lam = static_tps[best_static] = tok / sec
+        static_tau = tok / steps if steps else 1.0
+        for _ in range(3):
+            improved = False
+            for c in range(n_cells):
+                if w[c] < min_records:
+                    continue
+                for t in range(len(cands)):
+                    if t == choice[c]:
+                        continue
+                    trial = choice.copy()
+                    trial[c] = t
+                    v = _ratio(replay_assignment(stats, acc, cost, cell, trial))
+                    if v > lam * (1 + 1e-12):
+                        choice, lam, improved = trial, v, True
+            if not improved:
+                break
     names = {}
     for i in sorted(set(choice.tolist())):
         t = cands[i]
@@ -95,8 +162,9 @@ def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int 
                    "cost_s": float(cost[choice[c]])} for c in range(n_cells)],
         "predicted_tokens_per_s": lam,
         "best_static": {"tree": cands[best_static].name, "n_nodes": cands[best_static].n_nodes,
-                        "predicted_tokens_per_s": float(static_tps[best_static]), "predicted_tau": float(1 + acc[best_static].mean())},
+                        "predicted_tokens_per_s": float(static_tps[best_static]), "predicted_tau": float(static_tau)},
         "predicted_gain_vs_static": lam / float(static_tps[best_static]) - 1,
+        "method": method,
     }
     trees = {names[i]: Tree(cands[i].paths, names[i]) for i in names}
     sched = EntropyBucketScheduler(trees, edges, table, d_edges, meta={"fit": report})

@@ -50,13 +50,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
 
 
+HYDRA_FAMILY = ("hydra++", "hydra")  # best first: entmtp and dynamic use the best one available
+
+
+def best_hydra(available) -> str | None:
+    return next((h for h in HYDRA_FAMILY if h in available), None)
+
+
 def method_heads(method: str, args) -> str | None:
     """Name of the loaded heads a method uses (None = baseline)."""
     if method == "baseline":
         return None
     if args.heads:
         return "custom"
-    return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra", "dynamic": "hydra"}[method]
+    # entmtp and dynamic use the best Hydra-family heads of the embedded model: Hydra++
+    return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra++", "dynamic": "hydra++"}[method]
 
 
 def load_engine_for(args, methods: list[str]):

@@ -339,14 +339,19 @@ def entropy_bank_problem(entry: "LoadedModel") -> Optional[str]:
     if finder is None:
         return None
     try:
-        finder(entry.engine, "hydra")
+        finder(entry.engine, method_heads("entmtp", entry.engine.runners))
         return None
     except Exception as exc:  # noqa: BLE001
         return _one_line(str(exc), 200)
 
 
-def method_heads(method: str) -> Optional[str]:
-    return {"baseline": None, "medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra"}[method]
+def method_heads(method: str, runners=()) -> Optional[str]:
+    """Heads a method decodes with; entmtp takes the best Hydra-family heads loaded (Hydra++ first)."""
+    from .cli import best_hydra
+
+    if method == "entmtp":
+        return best_hydra(runners) or "hydra"
+    return {"baseline": None, "medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++"}[method]
 
 
 def method_status(entry: LoadedModel) -> dict[str, Optional[str]]:
@@ -355,8 +360,8 @@ def method_status(entry: LoadedModel) -> dict[str, Optional[str]]:
     out: dict[str, Optional[str]] = {"baseline": None}
     for m in HEAD_METHODS:
         out[m] = None if m in runners else (entry.missing.get(m) or f"no {m} heads for this model")
-    if out["hydra"] is not None:
-        out["entmtp"] = "entmtp needs the Hydra heads: " + out["hydra"]
+    if out["hydra"] is not None and out.get("hydra++") is not None:
+        out["entmtp"] = "entmtp needs Hydra-family heads: " + out["hydra"]
     else:
         out["entmtp"] = None  # without the entropy scheduler it runs Hydra's default tree (labelled)
     return out
@@ -422,7 +427,7 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
     reason = method_status(entry)[method]
     if reason is not None:
         raise AppError(f"{method} is unavailable: {reason}")
-    heads = method_heads(method)
+    heads = method_heads(method, entry.engine.runners)
     if heads is None:
         return None, None, "baseline"
     tree = resolve_session_tree(tree_name, entry, heads, session_trees, notes)

@@ -1,0 +1,44 @@
+"""The embedded default: SmolLM2-135M-Instruct with our trained heads, offline."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from entmtp.cli import default_tree
+from entmtp.decoding import DecodeConfig
+from entmtp.models import HEAD_KINDS, load_engine
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("default", {k: k for k in HEAD_KINDS}, progress=None)
+
+
+def test_embedded_heads_are_small_and_share_the_lm_head(engine):
+    for name, runner in engine.runners.items():
+        cfg = runner.config
+        assert cfg.shared_lm_head and cfg.num_heads == 4 and cfg.draft_vocab_size
+        n = sum(p.numel() for p in runner.heads.parameters())
+        assert n < 15e6  # a few MB in bf16; no per-head 49k x 576 LM-head copy
+
+
+@pytest.mark.parametrize("heads", sorted(HEAD_KINDS))
+def test_embedded_heads_are_lossless_and_accept_drafts(engine, heads):
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Give me three tips for staying focused while studying."}],
+                                               add_generation_prompt=True, return_dict=False)
+    ref = engine.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+    r = engine.run(ids, heads=heads, tree=default_tree(engine, heads), config=DecodeConfig(max_new_tokens=40))
+    assert r.tokens == ref
+    assert r.tau > 1.3  # trained heads: drafts are accepted on a real prompt
+
+
+def test_cli_answers_sensibly_offline():
+    p = subprocess.run([sys.executable, "-m", "entmtp", "generate", "--model", "default", "--method", "hydra",
+                        "What is the capital of France?", "--max-new-tokens", "24"],
+                       capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout and "tau" in p.stderr
