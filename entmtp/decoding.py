@@ -152,6 +152,7 @@ class Generation:
         self.stop_reason = ""
         self.done = False
         self._text_cache = ("", 0)
+        self._first_logits = None
         self._started = False
         self._t_start = 0.0
         self.time_prefill = 0.0
@@ -230,6 +231,7 @@ class Generation:
 
     def _choose_tree(self):
         """(tree, reason, draft or None) for this step, from the scheduler and this step's signals."""
+        self._first_logits = None
         if self.runner is None or self.scheduler is None:
             return ROOT_ONLY, None, None
         s = self.scheduler
@@ -238,7 +240,7 @@ class Generation:
         if s.needs_root:
             sig.root_entropy, sig.root_prob = _entropy_prob(self.root_logits, self.root)
         if s.needs_draft:
-            lg = self.runner.first_level(self.feature, root_t)
+            lg = self._first_logits = self.runner.first_level(self.feature, root_t)  # reused as the draft's level 1
             sig.draft_entropy, sig.draft_top1 = _entropy_prob(lg, int(lg.argmax()))
         if s.needs_context:
             sig.context = DraftContext(self.runner, self.feature, root_t)
@@ -277,7 +279,8 @@ class Generation:
         # -- draft
         draft = None
         if tree.n_nodes:
-            draft = ready if ready is not None else self.runner.draft(tree, self.feature, root_t, with_stats=full)
+            draft = ready if ready is not None else self.runner.draft(tree, self.feature, root_t, with_stats=full,
+                                                                      first_logits=self._first_logits)
             tree_tokens = draft.tokens
         else:
             tree_tokens = root_t.view(1)

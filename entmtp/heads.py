@@ -359,12 +359,14 @@ class HeadRunner:
         return idx if self.draft_vocab is None else self.draft_vocab[idx]
 
     @torch.no_grad()
-    def draft(self, tree: Tree, feature: torch.Tensor, root: torch.Tensor, with_stats: bool = False) -> Draft:
+    def draft(self, tree: Tree, feature: torch.Tensor, root: torch.Tensor, with_stats: bool = False,
+              first_logits: Optional[torch.Tensor] = None) -> Draft:
         """Draft every node of `tree`.
 
         feature [h] the head feature at the last accepted position; root [] long, the base
         model's next token. Works for any valid tree (gaps in ranks, any widths): node tokens
-        are gathered by their own rank under their own parent.
+        are gathered by their own rank under their own parent. first_logits [V_draft]: head 0's
+        logits at the root when already computed this step (by a scheduler), reused as level 1.
         """
         buf = tree.buffers(self.device)
         n1 = tree.size
@@ -380,7 +382,7 @@ class HeadRunner:
         if self.config.kind == "medusa":
             x = feature[None]
             for d in range(1, D + 1):
-                logits = self.heads.head_logits(d - 1, x, self.lm_weight)[0]  # [Vd]
+                logits = first_logits if d == 1 and first_logits is not None else self.heads.head_logits(d - 1, x, self.lm_weight)[0]
                 top = torch.topk(logits, buf.level_topk[d])
                 nodes, ranks = buf.level_nodes[d], buf.level_ranks[d]
                 tokens[nodes] = self._map(top.indices[ranks])
@@ -392,7 +394,10 @@ class HeadRunner:
         # Hydra: rows = expanded nodes of the previous level, features grow by one embedding
         rows = torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
         for d in range(1, D + 1):
-            logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd]
+            if d == 1 and first_logits is not None:
+                logits = first_logits[None]
+            else:
+                logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd]
             top = torch.topk(logits, buf.level_topk[d], dim=-1)
             nodes, prow, ranks = buf.level_nodes[d], buf.level_parent_row[d], buf.level_ranks[d]
             idx = top.indices[prow, ranks]  # [m_d]

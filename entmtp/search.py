@@ -528,7 +528,10 @@ class SearchReport:
             return
         pool = [c for c in self.candidates if c.methods != ["reference"]]
         trees = [Tree(c.tree.paths, f"{self.tree_prefix()}-{c.id}") for c in pool]
-        self.bank, self.bank_report = fit_entropy_bank(self.stats, trees, self.latency, n_buckets=n_buckets)
+        # bucket layouts: root entropy only, the first draft head's entropy only, and both
+        fits = [fit_entropy_bank(self.stats, trees, self.latency, n_buckets=nb, draft_buckets=db)
+                for nb, db in ((n_buckets, 0), (1, n_buckets), (1, 2 * n_buckets - 2), (n_buckets - 1, n_buckets - 1))]
+        self.bank, self.bank_report = max(fits, key=lambda f: f[1]["predicted_tokens_per_s"])
 
     # ---- lookups ---------------------------------------------------------------------------
     def candidate(self, cid: str) -> Candidate:
@@ -715,8 +718,8 @@ class SearchReport:
             L.append(f"- nodes vs {key}: " + ", ".join(f"{c.n_nodes}:{val(c)}" for c in pts))
         if self.bank_report:
             b = self.bank_report
-            L += ["", "## Entropy bank (bucket of the root entropy -> tree)", "",
-                  f"Edges (nats): {b['edges']}; predicted {b['predicted_tokens_per_s']:.2f} tokens/s vs the best static tree "
+            L += ["", "## Entropy bank (buckets of this step's entropies -> tree)", "",
+                  f"Root-entropy edges (nats): {b['edges']}; first-draft-head entropy edges: {b['draft_edges']}; predicted {b['predicted_tokens_per_s']:.2f} tokens/s vs the best static tree "
                   f"{b['best_static']['tree']} {b['best_static']['predicted_tokens_per_s']:.2f} ({b['predicted_gain_vs_static']:+.1%}), "
                   "same records and latency model.", "", "| bucket | records | tree | predicted tau |", "|---|---|---|---|"]
             L += [f"| {i} | {c['records']} | {c['tree']} | {c['predicted_tau']:.2f} |" for i, c in enumerate(b["cells"])]

@@ -90,8 +90,8 @@ def oracle_run(eng, prompt, tree, ref, heads="hydra", seed=0, config=None):
     real = g.runner.draft
     leaves = tree.buffers().retrieve.tolist()
 
-    def draft(tr, feature, root, with_stats=False):
-        d = real(tr, feature, root, with_stats)
+    def draft(tr, feature, root, with_stats=False, **kw):
+        d = real(tr, feature, root, with_stats, **kw)
         toks = d.tokens.clone()
         pos = len(g.tokens)  # the root is ref[pos]
         path = [i for i in rnd.choice(leaves) if i >= 0]
