@@ -288,18 +288,16 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
 
 
 def default_bank_path(engine, heads: Optional[str]) -> Path:
-    """The shipped entropy bank of the loaded heads (recorded in their meta), else trees/<label>-bank.json."""
+    """The entropy bank recorded in the loaded heads' meta (`default_bank`, a file in trees/)."""
     from .trees import TREES_DIR
 
+    meta = {}
     if engine is not None and heads in getattr(engine, "runners", {}):
         meta = getattr(engine.runners[heads].heads, "meta", {}) or {}
-        if meta.get("default_bank") and (TREES_DIR / meta["default_bank"]).is_file():
-            return TREES_DIR / meta["default_bank"]
-    name = f"smollm2-135m-{'hydra' if heads in (None, 'hydra') else heads.replace('++', 'pp')}-bank.json"
-    p = TREES_DIR / name
-    if not p.is_file():
-        raise TreeError(f"no entropy bank for these heads ({p.name} not found); fit one with `entmtp search` or pass --bank")
-    return p
+    name = meta.get("default_bank")
+    if not name or not (TREES_DIR / name).is_file():
+        raise TreeError(f"no entropy bank recorded for the {heads or 'loaded'} heads; fit one with `entmtp search` or pass --bank")
+    return TREES_DIR / name
 
 
 def as_scheduler(x) -> Optional[Scheduler]:

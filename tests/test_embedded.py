@@ -42,3 +42,12 @@ def test_cli_answers_sensibly_offline():
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout and "tau" in p.stderr
+
+
+def test_shipped_banks_and_trees_resolve(engine):
+    from entmtp.scheduler import default_bank_path, load_bank
+
+    for name in engine.runners:
+        bank = load_bank(default_bank_path(engine, name))
+        assert bank.trees and all(t.depth <= 4 for t in bank.trees)
+        assert default_tree(engine, name).name.startswith("smollm2-135m-")

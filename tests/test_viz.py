@@ -36,7 +36,7 @@ def traced():
         def __getattr__(self, name):
             return getattr(runner, name)
 
-        def draft(self, tr, feature, root, with_stats=False):
+        def draft(self, tr, feature, root, with_stats=False, **kw):
             d = real(tr, feature, root, with_stats)
             toks = d.tokens.clone()
             pos = len(g.tokens)
