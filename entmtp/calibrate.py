@@ -257,6 +257,16 @@ def _canon(paths) -> tuple[Path_, ...]:
     return tuple(sorted({tuple(p) for p in paths}, key=lambda q: (len(q), q)))
 
 
+def read_stats_json(p: Path) -> Any:
+    """Parse a statistics / search JSON file; failures are one-line DataErrors."""
+    if not p.is_file():
+        raise DataError(f"statistics file not found: {p}")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{p.name}: not a JSON file ({type(e).__name__})") from None
+
+
 @dataclass
 class CalibrationStats:
     """Acceptance records of one statistics pass, and the scores of any tree computed from them.
@@ -568,13 +578,7 @@ class CalibrationStats:
     @staticmethod
     def load(path: str | Path) -> "CalibrationStats":
         p = Path(path)
-        if not p.is_file():
-            raise DataError(f"statistics file not found: {p}")
-        try:
-            d = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{p.name}: not a JSON file ({type(e).__name__})") from None
-        return CalibrationStats.from_json(d, p.name)
+        return CalibrationStats.from_json(read_stats_json(p), p.name)
 
     # ---- several processes ----------------------------------------------------------------
     @staticmethod

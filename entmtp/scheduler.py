@@ -22,7 +22,6 @@ Policies:
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from .trees import Tree, TreeError, dumps_compact, tree_from_json
+from .trees import Tree, TreeError, dumps_compact, read_json_file, tree_from_json
 
 
 @dataclass
@@ -216,12 +215,7 @@ class EntropyBucketScheduler(Scheduler):
 def load_bank(path: str | Path) -> EntropyBucketScheduler:
     """Load an entropy bank JSON; every failure is a TreeError with a one-line message."""
     p = Path(path)
-    if not p.is_file():
-        raise TreeError(f"bank file not found: {p}")
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TreeError(f"{p.name}: invalid JSON ({e})") from None
+    d = read_json_file(p, "bank")
     if not isinstance(d, dict) or not isinstance(d.get("trees"), dict) or "edges" not in d or "table" not in d:
         raise TreeError(f"{p.name}: a bank needs 'trees', 'edges' and 'table'")
     trees = {n: tree_from_json(paths, n) for n, paths in d["trees"].items()}

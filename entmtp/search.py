@@ -62,7 +62,7 @@ import numpy as np
 
 from .calibrate import (MAX_BUDGET, MAX_NEW_TOKENS, MAX_PROMPTS, MAX_UNION_NODES, CalibrationStats, LatencyModel,
                         Progress, RuleSpec, _clustered_stderr, _noop, _slug, as_rule_spec, collect_stats, encode_prompts,
-                        expand_by_value, load_or_measure_latency, machine_info, union_tree)
+                        expand_by_value, load_or_measure_latency, machine_info, read_stats_json, union_tree)
 from .data import DataError, Prompt, PromptSet, split_prompts
 from .trees import Path_, Tree, TreeError, resolve_tree
 
@@ -1273,12 +1273,7 @@ def load_stats_any(path: str | Path) -> CalibrationStats:
     p = Path(path)
     if p.is_dir():
         p = p / "stats.json"
-    if not p.is_file():
-        raise DataError(f"statistics file not found: {p}")
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{p.name}: not a JSON file ({type(e).__name__})") from None
+    d = read_stats_json(p)
     if isinstance(d, dict) and d.get("format") == SEARCH_FORMAT:
         f = (d.get("stats") or {}).get("file") or "stats.json"
         return CalibrationStats.load(p.parent / f)

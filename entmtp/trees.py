@@ -292,17 +292,23 @@ def dumps_compact(data: dict) -> str:
     return "{\n" + body + "\n}\n"
 
 
-def load_tree(path: str | Path) -> Tree:
-    """Load a tree JSON file; every failure is a TreeError with a one-line message."""
+def read_json_file(path: str | Path, what: str = "tree") -> Any:
+    """Parse a JSON file; a missing, non-UTF-8 or malformed file is a one-line TreeError."""
     p = Path(path)
     if not p.is_file():
-        raise TreeError(f"tree file not found: {p}")
+        raise TreeError(f"{what} file not found: {p}")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise TreeError(f"{p.name}: not a UTF-8 JSON file") from None
     except json.JSONDecodeError as e:
         raise TreeError(f"{p.name}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def load_tree(path: str | Path) -> Tree:
+    """Load a tree JSON file; every failure is a TreeError with a one-line message."""
+    p = Path(path)
+    data = read_json_file(p)
     try:
         return tree_from_json(data, name=p.stem)
     except TreeError as e:
