@@ -8,9 +8,10 @@ methods), speedup against `hf` (transformers' `generate`) and the share of promp
 output is token-identical to `hf`.
 
 Methods: hf (transformers greedy `generate`), pld (transformers prompt-lookup decoding),
-baseline (our autoregressive loop), medusa, hydra, hydra++ (our heads with their best
-static tree), entmtp (Hydra heads + the entropy-aware scheduler and its bank), dynamic (Hydra
-heads + EAGLE-2 style dynamic trees, for comparison).
+baseline (our autoregressive loop), lookup (our prompt-lookup decoding: a chain copied from the
+context, no heads), medusa, hydra, hydra++ (our heads with their best static tree), entmtp
+(Hydra heads + the entropy-aware scheduler and its bank + a prompt-lookup branch grafted onto
+each tree), dynamic (Hydra heads + EAGLE-2 style dynamic trees, for comparison).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-ALL_METHODS = ("hf", "pld", "baseline", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
+ALL_METHODS = ("hf", "pld", "baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
 
 
 @dataclass
@@ -77,12 +78,11 @@ def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[i
     """method -> fn(ids) returning (new tokens, forwards, bookkeeping seconds, step seconds)."""
     import torch
 
-    from .cli import build_scheduler, method_heads
+    from .cli import build_scheduler, method_heads, method_lookup
     from .decoding import DecodeConfig
 
     n = args.max_new_tokens
     eos = engine.eos_ids()
-    cfg = DecodeConfig(max_new_tokens=n)
     runners = {}
 
     def hf(extra):
@@ -107,7 +107,7 @@ def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[i
             sched = build_scheduler(engine, heads, argparse.Namespace(tree=args.tree, scheduler=args.scheduler if m == "entmtp" else None,
                                                                       bank=args.bank, method=m)) if heads else None
 
-            def run(ids, heads=heads, sched=sched):
+            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, lookup=method_lookup(m, args))):
                 r = engine.run(ids, heads=heads, scheduler=sched, config=cfg)
                 step_s = sum(s.time_total for s in r.steps)
                 return r.tokens, 1 + sum(1 for s in r.steps if s.time_verify > 0), sum(s.time_bookkeeping for s in r.steps), step_s
@@ -259,6 +259,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", default=None, help="override entmtp's scheduler")
     p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="prompt-lookup chain length for every method with heads (default: entmtp and lookup 8, others 0)")
     p.add_argument("--out", default="runs/bench")
 
 

@@ -12,7 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("baseline", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
+METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
+# Prompt-lookup chain length per method when --lookup is not given: entmtp grafts copied context
+# spans onto its trees; "lookup" is our prompt-lookup decoding (no heads); the others are pure heads.
+DEFAULT_LOOKUP = {"entmtp": 8, "lookup": 8}
 
 
 class CLIError(Exception):
@@ -59,12 +62,22 @@ def best_hydra(available) -> str | None:
 
 def method_heads(method: str, args) -> str | None:
     """Name of the loaded heads a method uses (None = baseline)."""
-    if method == "baseline":
+    if method in ("baseline", "lookup"):
         return None
     if args.heads:
         return "custom"
     # entmtp and dynamic use the best Hydra-family heads of the embedded model: Hydra++
     return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra++", "dynamic": "hydra++"}[method]
+
+
+def method_lookup(method: str, args) -> int:
+    """Prompt-lookup chain length of a method: --lookup for every method with heads, else its default."""
+    given = getattr(args, "lookup", None)
+    if method == "baseline":
+        return 0
+    if given is not None and method != "lookup":
+        return given
+    return DEFAULT_LOOKUP.get(method, 0)
 
 
 def load_engine_for(args, methods: list[str]):
@@ -127,6 +140,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="graft up to N tokens copied from the context (prompt lookup) onto each draft tree; "
+                        f"0 = off; default: {', '.join(f'{k} {v}' for k, v in DEFAULT_LOOKUP.items())}, others 0")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print the whole trace as JSON")
@@ -157,7 +173,7 @@ def cmd_generate(args) -> int:
     sched = build_scheduler(engine, heads_name, args) if heads_name else None
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.top_p, args.top_k),
                        rule=args.rule, stop_strings=tuple(args.stop), seed=args.seed,
-                       trace="full" if args.json else "summary")
+                       trace="full" if args.json else "summary", lookup=method_lookup(args.method, args))
     ids = render_user_prompt(engine, args.prompt, args.raw)
     t0 = time.perf_counter()
     gen = engine.generate(ids, heads=heads_name, scheduler=sched, config=cfg)

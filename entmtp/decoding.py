@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from .acceptance import AcceptanceRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
+from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
 from .trees import Tree
@@ -47,6 +48,8 @@ class DecodeConfig:
     trace: str = "summary"  # "summary" (fast) or "full" (per-node texts and statistics)
     seed: Optional[int] = None
     on_long_prompt: str = "truncate"  # "truncate" (keep the end, add a notice) or "error"
+    lookup: int = 0  # prompt lookup: graft up to this many context-copied tokens onto each tree (0 = off)
+    lookup_ngram: int = 3  # longest n-gram matched against the context
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -55,6 +58,8 @@ class DecodeConfig:
             raise ValueError("trace must be 'summary' or 'full'")
         if self.on_long_prompt not in ("truncate", "error"):
             raise ValueError("on_long_prompt must be 'truncate' or 'error'")
+        if self.lookup < 0 or self.lookup_ngram < 1:
+            raise ValueError("lookup must be >= 0 and lookup_ngram >= 1")
 
 
 def _sync(device: torch.device) -> None:
@@ -148,6 +153,10 @@ class Generation:
         ids = self._fit_prompt(ids)
         self.prompt = ids
         self.tokens: list[int] = []
+        self.ngrams = None
+        if config.lookup:
+            self.ngrams = NgramIndex(config.lookup_ngram)
+            self.ngrams.extend(ids)
         self.steps: list[Step] = []
         self.stop_reason = ""
         self.done = False
@@ -284,6 +293,13 @@ class Generation:
             tree_tokens = draft.tokens
         else:
             tree_tokens = root_t.view(1)
+        drafted_tree, lookup_nodes = tree, None
+        if self.ngrams is not None:
+            chain = self.ngrams.continuation([self.root], min(cfg.lookup, room - tree.size, remaining - 1))
+            if chain:
+                tree, merged, lookup_nodes = graft_chain(tree, tree_tokens.tolist(), chain)
+                if lookup_nodes:
+                    tree_tokens = torch.tensor(merged, dtype=torch.long, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
 
@@ -310,20 +326,22 @@ class Generation:
         prev_root_logits = self.root_logits
         self.root_logits = logits[acc.path[-1]]
         emitted = self._emit([tokens[i] for i in acc.path])
+        if self.ngrams is not None:
+            self.ngrams.extend(emitted)
         if self.scheduler is not None:
             self.scheduler.update(len(acc.path) - 1)
         bonus = acc.bonus
         self.root = bonus
-        step = Step(len(self.steps), tree.name or f"{tree.n_nodes}-node", tree.n_nodes, tokens, tree.parent_list,
-                    acc.path, emitted, None if self.done else bonus, t1 - t0, t2 - t1, 0.0, scheduler=reason,
-                    time_schedule=t_sched)
+        step = Step(len(self.steps), drafted_tree.name or f"{drafted_tree.n_nodes}-node", tree.n_nodes, tokens,
+                    tree.parent_list, acc.path, emitted, None if self.done else bonus, t1 - t0, t2 - t1, 0.0,
+                    scheduler=reason, time_schedule=t_sched, lookup_nodes=lookup_nodes or None)
         if full:
-            self._fill_full_trace(step, tree, draft, logits, prev_root_logits)
+            self._fill_full_trace(step, tree, drafted_tree, draft, logits, prev_root_logits)
         _sync(dev)
         step.time_bookkeeping = time.perf_counter() - t2
         return step
 
-    def _fill_full_trace(self, step: Step, tree: Tree, draft, logits, prev_root_logits) -> None:
+    def _fill_full_trace(self, step: Step, tree: Tree, drafted_tree: Tree, draft, logits, prev_root_logits) -> None:
         tok = self.engine.tokenizer
         toks = step.tokens
         lp = torch.log_softmax(logits.float(), -1)
@@ -339,6 +357,10 @@ class Generation:
         if draft is not None and draft.probs is not None:
             step.draft_probs = draft.probs.tolist()
             step.draft_entropies = draft.entropies.tolist()
+            if tree is not drafted_tree:  # lookup nodes have no head distribution
+                src = [drafted_tree.index.get(p, -1) for p in tree.node_paths]
+                step.draft_probs = [step.draft_probs[j] if j >= 0 else float("nan") for j in src]
+                step.draft_entropies = [step.draft_entropies[j] if j >= 0 else float("nan") for j in src]
         else:
             step.draft_probs = [float("nan")] * len(toks)
             step.draft_entropies = [float("nan")] * len(toks)

@@ -43,6 +43,7 @@ class Step:
     base_entropies: Optional[list[float]] = None
     scheduler: Optional[dict[str, Any]] = None  # tree chosen and why (signals, bucket)
     time_schedule: float = 0.0  # the scheduler's decision (signals + choice), before drafting
+    lookup_nodes: Optional[list[int]] = None  # nodes copied from the context (prompt lookup), not the heads
 
     @property
     def accept_length(self) -> int:

@@ -105,6 +105,7 @@ class Tree:
     name: str = ""
     _buffers: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
     _lock: Any = field(default_factory=threading.Lock, compare=False, repr=False, hash=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False, hash=False)  # e.g. lookup grafts
 
     @staticmethod
     def from_paths(paths: Iterable[Sequence[int]], name: str = "") -> "Tree":

@@ -176,6 +176,8 @@ def node_hover(step: Step, i: int, accepted: set[int]) -> str:
     status = "accepted" if i in accepted else "rejected"
     if i == 0:
         status = "root (base model's token)"
+    if step.lookup_nodes and i in step.lookup_nodes:
+        status += " · copied from the context (prompt lookup)"
     lines = [
         f"<b>{tok}</b>  <span style='color:#888'>id {step.tokens[i]}</span>",
         f"node {i} · depth {depth if depth is not None else '–'} · rank {rank if rank is not None else '–'} · {status}",
@@ -200,6 +202,7 @@ def step_tree_figure(step: Step, color_by: str = "draft_prob", *, bonus_text: Op
     ranks = step.ranks or [0] * n
     pos = tree_layout(parents, ranks)
     accepted = set(step.accepted)
+    lookup = set(step.lookup_nodes or ())  # drawn as triangles: copied from the context, not drafted by a head
     acc_edges = {(step.accepted[k - 1], step.accepted[k]) for k in range(1, len(step.accepted))}
     values = _node_values(step, color_by)
     is_prob = color_by == "draft_prob"
@@ -236,7 +239,7 @@ def step_tree_figure(step: Step, color_by: str = "draft_prob", *, bonus_text: Op
                 size=[22 if i == 0 else (18 if is_acc else 14) for i in idx],
                 line=dict(color=ACCEPT_COLOR if is_acc else "#ffffff", width=3 if is_acc else 1),
                 opacity=1.0 if is_acc else DIM_OPACITY,
-                symbol=["square" if i == 0 else "circle" for i in idx],
+                symbol=["square" if i == 0 else ("triangle-down" if i in lookup else "circle") for i in idx],
             ),
             showlegend=False, customdata=idx,
         ))

@@ -41,6 +41,20 @@ def test_generate_json_trace_matches_baseline(tiny, capsys):
         assert step["n_nodes"] > 0 and len(step["token_texts"]) == step["n_nodes"] + 1
 
 
+def test_generate_with_lookup_is_identical_and_records_copied_nodes(tiny, capsys):
+    base = ["generate", "--base", str(tiny / "base"), "hello world hello world hello", "--max-new-tokens", "40", "--json"]
+    _, out, _ = run(capsys, *base, "--method", "baseline")
+    ref = json.loads(out)
+    for extra in (["--method", "lookup"], ["--method", "hydra", "--heads", str(tiny / "hydra"), "--lookup", "6"]):
+        code, out, _ = run(capsys, *base, *extra)
+        assert code == 0
+        got = json.loads(out)
+        assert got["tokens"] == ref["tokens"]
+        assert any(s.get("lookup_nodes") for s in got["steps"]), extra
+    code, out, err = run(capsys, *base, "--method", "hydra", "--heads", str(tiny / "hydra"), "--lookup", "-2")
+    assert code != 0 and "lookup" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_generate_prints_answer_and_summary(tiny, capsys):
     code, out, err = run(capsys, "generate", "--base", str(tiny / "base"), "--heads", str(tiny / "hydra"),
                          "--tree", "chain_3", "hello", "--max-new-tokens", "8")

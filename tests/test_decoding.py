@@ -63,11 +63,12 @@ def trees(draw, max_depth=6, max_nodes=24):
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv"]),
-       prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=20), n=st.integers(1, 40))
-def test_greedy_equals_generate(family, tree, heads, prompt, n):
+       prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=20), n=st.integers(1, 40),
+       lookup=st.sampled_from([0, 0, 2, 8]))
+def test_greedy_equals_generate(family, tree, heads, prompt, n, lookup):
     eng = engine_for(family)
     ref = hf_greedy(eng.model, prompt, n)
-    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=())
+    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=(), lookup=lookup)
     got = eng.run(prompt, heads=heads, tree=tree, config=cfg)
     assert got.tokens == ref
     assert eng.run(prompt, config=cfg).tokens == ref  # baseline in the same engine

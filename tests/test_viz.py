@@ -216,3 +216,20 @@ def test_figures_serialise(traced):
     steps, tree = traced
     for fig in (viz.step_tree_figure(steps[0]), viz.step_chart_figure(steps), viz.tree_figure(Tree.chain(3))):
         assert fig.to_json()
+
+
+def test_lookup_nodes_are_drawn_as_triangles_and_explained():
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), seed=3)
+    eng = Engine(model, tok, {"hydra": random_heads(model, "hydra", num_heads=3, seed=1)})
+    prompt = tok("hello world hello world hello world")["input_ids"]
+    g = eng.generate(prompt, heads="hydra", tree=resolve_tree("binary_2x2"),
+                     config=DecodeConfig(max_new_tokens=40, eos_token_ids=(), trace="full", lookup=5))
+    step = next(s for s in g if s.lookup_nodes)
+    fig = viz.step_tree_figure(step)
+    for name in ("accepted", "rejected"):
+        t = _trace(fig, name)
+        for node, symbol, hover in zip(t.customdata, t.marker.symbol, t.hovertext):
+            is_lookup = node in step.lookup_nodes
+            assert (symbol == "triangle-down") == is_lookup
+            assert ("prompt lookup" in hover) == is_lookup
