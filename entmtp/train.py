@@ -38,12 +38,13 @@ Public API: :func:`add_arguments`, :func:`main` (returns an exit code; raises
 :class:`TrainError` with a one-line message for bad input), :func:`run_training` (returns a
 :class:`TrainResult` with the trained heads), and ``python -m entmtp.train``.
 
-Several processes: ``accelerate launch --multi_gpu --num_processes 2 -m entmtp.train --cpu ...``
-(or ``torchrun --nproc_per_node 2 -m entmtp.train --cpu ...``) runs two CPU processes with
-gloo.  Note that ``accelerate launch --cpu --num_processes 2`` starts a *single* process in
-accelerate 1.15 (its CPU launcher only fans out through ``--mpirun_hostfile``).  The data
-order and the loss normalization are global, so N processes give the same heads as one
-(up to float summation order).
+Several processes: ``accelerate launch --cpu --num_processes 2 -m entmtp train ...`` runs two
+CPU processes with gloo. accelerate 1.15 itself starts a *single* process for that command (its
+CPU launcher only fans out through ``--mpirun_hostfile``); ``entmtp train`` reads the requested
+count from the launching command and starts the processes through ``torch.distributed.run``.
+``accelerate launch --multi_gpu --num_processes 2 -m entmtp train --cpu ...`` and ``torchrun
+--nproc_per_node 2 -m entmtp train --cpu ...`` work too. The data order and the loss
+normalization are global, so N processes give the same heads as one (up to float summation order).
 
 On a shared 2-core CPU use ``--threads 1``: OpenMP spin-waiting makes small matmuls many
 times slower when another process competes for the cores.
@@ -1488,9 +1489,66 @@ def _report_md(r: dict) -> str:
 # ======================================================================================
 # entry points
 # ======================================================================================
+def requested_cpu_processes(environ=os.environ, parent_cmdline: Optional[list[str]] = None) -> int:
+    """Processes asked for by `accelerate launch --cpu --num_processes N` when accelerate started
+    only this one (its simple launcher fans CPU processes out only through mpirun); else 1.
+
+    The count is read from the launching `accelerate launch` command line (Linux /proc).
+    """
+    if environ.get("ACCELERATE_USE_CPU", "").lower() != "true" or "WORLD_SIZE" in environ:
+        return 1
+    if parent_cmdline is None:
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        except OSError:
+            return 1
+        parent_cmdline = [x.decode(errors="replace") for x in raw.split(b"\0") if x]
+    if not any(a == "launch" or a.endswith(("accelerate.commands.launch", "accelerate-launch")) for a in parent_cmdline):
+        return 1
+    for i, a in enumerate(parent_cmdline):
+        val = None
+        if a in ("--num_processes", "--num-processes") and i + 1 < len(parent_cmdline):
+            val = parent_cmdline[i + 1]
+        elif a.startswith(("--num_processes=", "--num-processes=")):
+            val = a.split("=", 1)[1]
+        if val is not None:
+            try:
+                return max(1, int(val))
+            except ValueError:
+                return 1
+    return 1
+
+
+def _fan_out_cpu(n: int, argv: list[str]) -> int:
+    """Run `python -m entmtp <argv>` as n CPU processes (gloo) through torch.distributed.run."""
+    import socket
+
+    from torch.distributed.run import main as torchrun
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    print(f"entmtp train: accelerate launched one CPU process for --num_processes {n}; "
+          f"starting {n} CPU processes (gloo) with torch.distributed.run", file=sys.stderr)
+    extra = [] if "--cpu" in argv else ["--cpu"]
+    try:
+        torchrun(["--nproc_per_node", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                  "-m", "entmtp", *argv, *extra])
+    except Exception as e:  # ChildFailedError: the processes printed their own errors above
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainError(f"the {n} training processes failed ({first[:200]})") from None
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """`entmtp train`: returns 0 on success; raises TrainError (one line) on bad input."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    n = requested_cpu_processes()
+    if n > 1:
+        argv = sys.argv[1:]
+        if not argv or argv[0] != "train":  # started as `python -m entmtp.train ...`
+            argv = ["train", *argv]
+        return _fan_out_cpu(n, argv)
     run_training(args)
     return 0
 

@@ -20,6 +20,7 @@ exception into a visible one-line message; the traceback goes to the server log 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 import math
@@ -354,6 +355,13 @@ def method_heads(method: str, runners=()) -> Optional[str]:
     return {"baseline": None, "medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++"}[method]
 
 
+def method_lookup(method: str) -> int:
+    """Prompt-lookup chain length a method grafts onto its trees (entmtp: on; the others: pure heads)."""
+    from .cli import DEFAULT_LOOKUP
+
+    return DEFAULT_LOOKUP.get(method, 0)
+
+
 def method_status(entry: LoadedModel) -> dict[str, Optional[str]]:
     """method -> None when usable, else the reason it is not."""
     runners = entry.engine.runners
@@ -555,7 +563,9 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
         n_new = int(min(max(int(max_new_tokens or 1), 1), CHAT_MAX_NEW_TOKENS))
         temp = float(temperature or 0.0)
         cfg = DecodeConfig(max_new_tokens=n_new, sampling=Sampling(max(temp, 0.0), float(top_p or 1.0)),
-                           trace="full")
+                           trace="full", lookup=method_lookup(method))
+        if cfg.lookup:
+            label += " + prompt lookup"
         msgs = history_messages(history) + [{"role": "user", "content": text}]
         ids = render_prompt(Prompt(id="chat", messages=msgs), engine.tokenizer)
         gen = engine.generate(ids, heads=heads, scheduler=sched, config=cfg)
@@ -769,7 +779,10 @@ def race(prompt, model_key, max_new_tokens):
                 row["label"] = lab if method != "baseline" else "baseline (ours)"
                 if notes:
                     row["note"] = "; ".join(notes)
-                gen = engine.generate(ids, heads=heads, scheduler=sched, config=cfg)
+                lookup = method_lookup(method)
+                if lookup:
+                    row["label"] += " + prompt lookup"
+                gen = engine.generate(ids, heads=heads, scheduler=sched, config=dataclasses.replace(cfg, lookup=lookup))
                 t0 = time.perf_counter()
                 last = t0
                 for _ in gen:
@@ -818,7 +831,7 @@ def _warm_up_methods(entry: LoadedModel, ids: list[int]) -> None:
             heads, sched, _ = build_decoding(entry, method, DEFAULT_TREE, "static", None, [])
         except AppError:
             continue
-        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3))
+        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3, lookup=method_lookup(method)))
     entry.warm = True
 
 
@@ -1181,7 +1194,7 @@ def build_demo() -> gr.Blocks:
                     slider = gr.Slider(0, 1, value=0, step=1, label="replay step", interactive=False, scale=3,
                                        elem_id="step_slider")
                 tree_plot = gr.Plot(value=viz.empty_figure("the draft tree of each step appears here"),
-                                    label="draft tree of the step (green = accepted path, ◆ = bonus token)",
+                                    label="draft tree of the step (green = accepted path, ◆ = bonus token, ▼ = copied from the context by prompt lookup)",
                                     elem_id="tree_plot")
                 with gr.Row():
                     with gr.Column(scale=3):

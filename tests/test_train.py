@@ -376,11 +376,11 @@ def test_cli_error_without_traceback(tmp_path):
 
 
 def test_accelerate_launch_two_processes(tiny_dir, data_file, tmp_path):
-    """Two CPU processes (gloo) end to end; the result matches a single-process run.
+    """`accelerate launch --cpu --num_processes 2 -m entmtp train`: two CPU processes (gloo) end to
+    end; the result matches a single-process run.
 
-    Note: in accelerate 1.15 `accelerate launch --cpu --num_processes 2` starts ONE process
-    (its simple launcher only fans out through mpirun); `--multi_gpu` (torchrun) with our own
-    `--cpu` starts two CPU processes.
+    accelerate 1.15 starts ONE process for this command (its simple launcher fans CPU processes
+    out only through mpirun); `entmtp train` sees the request and starts the two itself.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     train_args = ["--model", str(tiny_dir), "--data", str(data_file), "--heads", "medusa,hydra++", "--num-heads", "2",
@@ -388,12 +388,13 @@ def test_accelerate_launch_two_processes(tiny_dir, data_file, tmp_path):
                   "--save-every", "3", "--log-every", "2", "--max-len", "64", "--draft-vocab", "24",
                   "--cache-features", "--feature-shard-size", "8", "--cpu"]
     work, out = tmp_path / "w", tmp_path / "o"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "entmtp.train",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "entmtp", "train",
            *train_args, "--work-dir", str(work), "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((out / "train_report.json").read_text())
+    assert "starting 2 CPU processes" in r.stderr
     assert rep["recipe"]["processes"] == 2 and rep["steps"] == 6
     assert rep["features"]["cached"] and rep["features"]["shards"] == 5
     assert (work / "ckpt" / "latest.json").is_file()
@@ -409,3 +410,16 @@ def test_accelerate_launch_two_processes(tiny_dir, data_file, tmp_path):
         a = load_heads(out / f"tiny-llama0-{suffix}").state_dict()
         for n, v in single.heads[label].state_dict().items():
             torch.testing.assert_close(a[n], v, atol=1e-5, rtol=1e-4, msg=f"{label} {n}")
+
+
+def test_requested_cpu_processes_reads_the_accelerate_command():
+    env = {"ACCELERATE_USE_CPU": "True"}
+    launch = ["/usr/bin/python", "/x/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "entmtp", "train"]
+    assert T.requested_cpu_processes(env, launch) == 2
+    assert T.requested_cpu_processes(env, [*launch[:4], "--num_processes=3", *launch[6:]]) == 3
+    assert T.requested_cpu_processes({**env, "WORLD_SIZE": "2"}, launch) == 1  # already distributed
+    assert T.requested_cpu_processes({}, launch) == 1  # not launched by accelerate on CPU
+    assert T.requested_cpu_processes(env, ["bash", "-c", "x"]) == 1
+    assert T.requested_cpu_processes(env, [*launch[:5], "two"]) == 1
+    module = ["/usr/bin/python", "-m", "accelerate.commands.launch", "--num_processes", "4", "--cpu", "-m", "entmtp"]
+    assert T.requested_cpu_processes(env, module) == 4
