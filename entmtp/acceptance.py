@@ -98,15 +98,23 @@ def _walk(tree: Tree, tokens: list[int], emit) -> Acceptance:
         node = nxt
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim. On CPU, bf16/fp16 argmax is not vectorised (2x slower than
+    converting to fp32 first; exact, since the conversion is lossless)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 class GreedyRule:
     name = "greedy"
     lossless = True
 
     def first_token(self, logits, rng=None) -> int:
-        return int(logits.argmax(-1))
+        return int(argmax(logits))
 
     def accept(self, tree, tokens, logits, rng=None) -> Acceptance:
-        targets = logits.argmax(-1).tolist()  # one device->host copy for the whole tree
+        targets = argmax(logits).tolist()  # one device->host copy for the whole tree
         return _walk(tree, tokens, targets.__getitem__)
 
 
