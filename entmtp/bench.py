@@ -216,7 +216,8 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
                 f"{ms[m].get('speedup_vs_hf') or 0:.2f}x" if "hf" in methods else f"{ms[m]['tokens_per_s']:.1f}" for m in methods) + " |")
     md = [f"# entmtp bench", "", f"`{meta['command']}`", "",
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
-          f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']}.", "",
+          f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']}.",
+          "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items()) + ".", "",
           table, *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
     fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
@@ -266,7 +267,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args) -> int:
     """benchmark hf / pld / baseline / medusa / hydra / entmtp side by side"""
-    from .cli import CLIError, load_engine_for
+    from .cli import CLIError, load_engine_for, method_lookup
     from .data import bundled_prompts, load_prompts
     from .models import describe_model
 
@@ -290,7 +291,8 @@ def cmd_bench(args) -> int:
     meta = {"command": command, "model": describe_model(engine.model), "dtype": args.dtype, "device": str(engine.device),
             "prompts": len(prompts), "prompt_file_sha256": ps.sha256, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-            "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
+            "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "lookup": {m: method_lookup(m, args) for m in methods if m not in ("hf", "pld")}}
     write_reports(Path(args.out), runs, summary, methods, meta)
     print(file=sys.stderr)
     print(markdown_table(summary, methods))

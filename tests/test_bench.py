@@ -18,19 +18,20 @@ def test_bench_end_to_end(tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "bench"
     code = cli.main(["bench", "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "hydra"), "--prompts", str(prompts),
-                     "--methods", "hf,pld,baseline,hydra,dynamic", "--max-new-tokens", "12", "--tree", "binary_2x2",
+                     "--methods", "hf,pld,baseline,lookup,hydra,dynamic", "--max-new-tokens", "12", "--tree", "binary_2x2",
                      "--per-category", "2", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     s = json.loads((out / "summary.json").read_text())
-    assert set(s["methods"]) == {"hf", "pld", "baseline", "hydra", "dynamic"}
+    assert set(s["methods"]) == {"hf", "pld", "baseline", "lookup", "hydra", "dynamic"}
+    assert s["meta"]["lookup"] == {"baseline": 0, "lookup": 8, "hydra": 0, "dynamic": 0}
     for m, v in s["methods"].items():
         assert v["identical_to_hf"] == 1.0  # float32 greedy: every method is lossless
         assert v["tokens_per_s"] > 0 and v["tau"] >= 1.0 and v["prompts"] == 4
     assert s["methods"]["hf"]["speedup_vs_hf"] == 1.0 and s["methods"]["baseline"]["tau"] == 1.0
     assert set(s["categories"]) == {"chat", "math"}
     with open(out / "runs.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4 * 5
+        assert len(list(csv.DictReader(f))) == 4 * 6
     assert "| hydra |" in (out / "report.md").read_text() and "plotly" in (out / "report.html").read_text()
     assert "baseline / hf tokens/s ratio" in printed.out
 
