@@ -502,6 +502,9 @@ def _stats_md(res, wall: float, label: str, running: bool) -> str:
              html.escape(label)]
     if last is not None and last.tree_name and last.tree_name != "emit_only":
         parts.append(f"tree now: {html.escape(last.tree_name)}")
+    copied = sum(len(set(s.lookup_nodes) & set(s.accepted)) for s in res.steps if s.lookup_nodes)
+    if any(s.lookup_nodes for s in res.steps):
+        parts.append(f"{copied} tokens accepted from prompt lookup (▼)")
     parts.append("generating…" if running else f"stop: {html.escape(res.stop_reason or '–')}")
     return '<div class="entmtp-stats">' + " · ".join(parts) + "</div>"
 

@@ -100,3 +100,16 @@ def test_lookup_config_is_validated():
         DecodeConfig(lookup=-1)
     with pytest.raises(ValueError):
         DecodeConfig(lookup=4, lookup_ngram=0)
+
+
+def test_app_stats_count_tokens_accepted_from_lookup():
+    from entmtp import ui
+
+    eng = engine_for("llama")
+    prompt = [5, 9, 2, 7, 11, 5, 9, 2]
+    r = eng.run(prompt, config=DecodeConfig(max_new_tokens=60, eos_token_ids=(), lookup=6))
+    copied = sum(len(set(s.lookup_nodes or ()) & set(s.accepted)) for s in r.steps)
+    assert copied > 0
+    assert f"{copied} tokens accepted from prompt lookup" in ui._stats_md(r, 1.0, "lookup", False)
+    plain = eng.run(prompt, config=DecodeConfig(max_new_tokens=10, eos_token_ids=()))
+    assert "prompt lookup" not in ui._stats_md(plain, 1.0, "baseline", False)
