@@ -115,6 +115,10 @@ class GreedyRule:
 
     def accept(self, tree, tokens, logits, rng=None) -> Acceptance:
         targets = argmax(logits).tolist()  # one device->host copy for the whole tree
+        return self.accept_targets(tree, tokens, targets)
+
+    def accept_targets(self, tree, tokens, targets: list[int]) -> Acceptance:
+        """The same walk from precomputed argmax tokens, one per node (see verify.ScreenedGreedyHead)."""
         return _walk(tree, tokens, targets.__getitem__)
 
 

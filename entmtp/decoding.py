@@ -21,13 +21,13 @@ from typing import Iterator, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from .acceptance import AcceptanceRule, Sampling, make_rule
+from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
 from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
 from .trees import Tree
-from .verify import check_tree_support, forward, keep_cache_entries, max_context, tree_mask
+from .verify import NO_LOGITS, ScreenedGreedyHead, check_tree_support, forward, keep_cache_entries, max_context, tree_mask
 
 ROOT_ONLY = Tree.from_paths([], "root_only")
 
@@ -75,13 +75,17 @@ def _entropy_prob(logits: torch.Tensor, token: int) -> tuple[float, float]:
 class Engine:
     """A base model plus named draft heads ("medusa", "hydra", "hydra++", ...)."""
 
-    def __init__(self, model, tokenizer=None, heads: Optional[dict[str, DraftHeads]] = None):
+    def __init__(self, model, tokenizer=None, heads: Optional[dict[str, DraftHeads]] = None,
+                 screened_head: bool = True):
+        """screened_head: on a CPU with bf16 units, verify float32 greedy steps with the exact
+        screened lm_head (`verify.ScreenedGreedyHead`) where it applies to this model."""
         check_tree_support(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_context = max_context(model)
+        self.screened = ScreenedGreedyHead.for_model(model) if screened_head else None
         self.runners: dict[str, HeadRunner] = {}
         for name, h in (heads or {}).items():
             self.add_heads(name, h)
@@ -140,6 +144,8 @@ class Generation:
             if deep > runner.config.num_heads:
                 raise ValueError(f"tree depth {deep} exceeds the {runner.config.num_heads} draft heads")
         self.rule = rule or make_rule(config.rule, config.sampling, config.typical_epsilon, config.typical_alpha)
+        # greedy targets from the screened lm_head: exact, but no full logits (so not for full traces)
+        self.screened = (engine.screened if isinstance(self.rule, GreedyRule) and config.trace == "summary" else None)
         self.device = engine.device
         self.rng = None
         if not config.sampling.greedy:
@@ -304,20 +310,27 @@ class Generation:
         t1 = time.perf_counter()
 
         # -- verify: one forward over the whole tree
-        need_hidden = self.runner is not None
+        screened = self.screened
+        need_hidden = self.runner is not None or screened is not None
+        keep = NO_LOGITS if screened is not None else 0
         if tree.n_nodes:
             buf = tree.buffers(dev)
             mask = tree_mask(buf.attention_bias(self.engine.dtype), self.past)
             logits, hidden = forward(m, tree_tokens[None], self.cache, mask=mask,
-                                     position_ids=(buf.depths + self.past)[None], hidden=need_hidden)
+                                     position_ids=(buf.depths + self.past)[None], hidden=need_hidden, logits_to_keep=keep)
         else:
-            logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden)
+            logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden, logits_to_keep=keep)
+        tokens = tree_tokens.tolist()
+        if screened is not None:
+            targets, logits = screened.targets(hidden)  # logits: the bf16 screen (signals only)
         _sync(dev)
         t2 = time.perf_counter()
 
         # -- accept and keep the accepted nodes
-        tokens = tree_tokens.tolist()
-        acc = self.rule.accept(tree, tokens, logits, self.rng)
+        if screened is not None:
+            acc = self.rule.accept_targets(tree, tokens, targets)
+        else:
+            acc = self.rule.accept(tree, tokens, logits, self.rng)
         keep_cache_entries(self.cache, self.past, acc.path, tree.size)
         self.past += len(acc.path)
         if self.runner is not None:

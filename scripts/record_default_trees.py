@@ -1,0 +1,40 @@
+"""Record in each embedded head checkpoint which calibrated tree and entropy bank it uses by default.
+
+After `entmtp search ... --save-trees-to trees/` for every head kind (scripts/reproduce_embedded.sh):
+the best tokens/s tree of at most 64 nodes (`<name>-b64.json`) becomes the heads' default tree and
+`<name>-bank.json` their entropy bank (`meta.default_tree` / `meta.default_bank` in config.json).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"medusa": "medusa", "hydra": "hydra", "hydrapp": "hydra++"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads-dir", default=str(ROOT / "assets" / "heads"))
+    ap.add_argument("--trees-dir", default=str(ROOT / "trees"))
+    ap.add_argument("--name", default="smollm2-135m")
+    ap.add_argument("--budget", type=int, default=64)
+    args = ap.parse_args()
+    for suffix in KINDS:
+        cfg_path = Path(args.heads_dir) / f"{args.name}-{suffix}" / "config.json"
+        tree = f"{args.name}-{suffix}-b{args.budget}.json"
+        bank = f"{args.name}-{suffix}-bank.json"
+        missing = [p for p in (cfg_path, Path(args.trees_dir) / tree, Path(args.trees_dir) / bank) if not p.is_file()]
+        if missing:
+            print(f"error: missing {', '.join(map(str, missing))}", file=sys.stderr)
+            return 2
+        cfg = json.loads(cfg_path.read_text())
+        cfg.setdefault("meta", {}).update(default_tree=tree, default_bank=bank)
+        cfg_path.write_text(json.dumps(cfg, indent=1) + "\n")
+        print(f"{cfg_path}: default_tree {tree}, default_bank {bank}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
