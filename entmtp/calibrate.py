@@ -726,7 +726,7 @@ def head_ranks(runner, hidden: torch.Tensor, tokens: Sequence[int], start: int, 
     heads, cfg = runner.heads, runner.config
     K = cfg.num_heads
     dev = hidden.device
-    feats = hidden
+    feats = hidden = hidden.to(runner.dtype)
     if heads.prefix is not None:
         feats = heads.prefix(hidden[None])[0]
     f = feats[start:start + n]

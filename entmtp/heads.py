@@ -318,21 +318,32 @@ class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 
     It resolves the embedding and (draft-vocab rows of the) LM-head weights once.
+
+    Drafting precision never affects what is emitted (the base model verifies every token), so
+    for a float32 base on a CPU with bf16 matrix units the heads draft in bfloat16
+    (`draft_dtype="auto"`): the same drafts up to near-ties, at a fraction of the cost.
     """
 
-    def __init__(self, heads: DraftHeads, model: nn.Module):
+    def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto"):
+        from .verify import _fast_bf16_matmul
+
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
         p = next(model.parameters())
-        self.heads.to(device=p.device, dtype=p.dtype)
-        self.device, self.dtype = p.device, p.dtype
+        self.device = p.device
+        if draft_dtype == "auto":
+            fast = p.dtype == torch.float32 and p.device.type == "cpu" and _fast_bf16_matmul()
+            draft_dtype = torch.bfloat16 if fast else p.dtype
+        self.dtype = draft_dtype  # the heads' compute dtype; features are cast to it
+        self.heads.to(device=p.device, dtype=self.dtype)
         lm = model.get_output_embeddings().weight
         dv = heads.draft_vocab
         self.draft_vocab = None if dv is None else dv.to(self.device)
         self.lm_weight = None
         if heads.lm_heads is None:
-            self.lm_weight = lm if dv is None else lm.index_select(0, self.draft_vocab).contiguous()
+            w = lm if dv is None else lm.index_select(0, self.draft_vocab).contiguous()
+            self.lm_weight = w if w.dtype == self.dtype else w.detach().to(self.dtype)
 
     @property
     def label(self) -> str:
@@ -343,6 +354,7 @@ class HeadRunner:
 
         Returns (prefix state or None, the feature h_t the heads read for the last position [h]).
         """
+        hidden = hidden.to(self.dtype)
         if self.heads.prefix is None:
             return None, hidden[-1]
         state = PrefixState()
@@ -352,8 +364,8 @@ class HeadRunner:
     def advance(self, state: Optional[PrefixState], hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Feed newly accepted base hidden states [a, h]; returns the new head feature [h]."""
         if state is None:
-            return last
-        return self.heads.prefix(hidden[None], state)[0, -1]
+            return last.to(self.dtype)
+        return self.heads.prefix(hidden.to(self.dtype)[None], state)[0, -1]
 
     def _map(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.draft_vocab is None else self.draft_vocab[idx]

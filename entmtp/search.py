@@ -527,6 +527,8 @@ class SearchReport:
         if self.latency is None or not any(math.isfinite(r.root_entropy) for r in self.stats.records):
             return
         pool = [c for c in self.candidates if c.methods != ["reference"]]
+        if not pool:  # no draft was ever accepted: nothing to schedule between
+            return
         trees = [Tree(c.tree.paths, f"{self.tree_prefix()}-{c.id}") for c in pool]
         # bucket layouts: root entropy only, the first draft head's entropy only, and both
         fits = [fit_entropy_bank(self.stats, trees, self.latency, n_buckets=nb, draft_buckets=db)

@@ -19,7 +19,7 @@ from entmtp.calibrate import (CalibrationStats, LatencyModel, RuleSpec, StepReco
 from entmtp.checkpoints import save_heads
 from entmtp.data import DataError
 from entmtp.decoding import DecodeConfig, Engine
-from entmtp.search import (dp_support, evaluate_trees, frontier, greedy_trees, optimal_subtrees, pareto,
+from entmtp.search import (SearchReport, dp_support, evaluate_trees, frontier, greedy_trees, optimal_subtrees, pareto,
                            positional_value_fn, positional_values, run_search, search_trees)
 from entmtp.trees import Tree, resolve_tree
 
@@ -406,6 +406,20 @@ def test_frontier_and_pareto():
     assert all(b.predicted_tau > a.predicted_tau for a, b in zip(pts, pts[1:]))
     with pytest.raises(ValueError, match="budgets"):
         search_trees(stats, [0, 4], lm)
+
+
+def test_bank_is_skipped_when_no_draft_was_ever_accepted():
+    union = full_tree((3, 2))
+    recs = [StepRecord(f"p{i % 3}", i, (), root_entropy=1.0 + i % 4) for i in range(60)]
+    stats = CalibrationStats.rollout(union, RuleSpec(), recs, {"num_heads": 2})
+    lm = LatencyModel(0.01, {d: [(1, 0.012), (4, 0.016), (12, 0.04)] for d in (1, 2)})
+    cands = search_trees(stats, [4], lm, references=[resolve_tree("binary_2x2")])
+    assert all(c.predicted_tau == 1.0 for c in cands)
+    # trace statistics with no accepted draft have no support, so only the references remain
+    cands = [c for c in cands if c.methods == ["reference"]]
+    report = SearchReport({"heads": {"label": "hydra"}, "model": {"name": "m"}}, [4], stats, lm, cands, frontier(cands, [4]))
+    report.fit_bank()  # nothing to schedule between: no bank, no error
+    assert report.bank is None
 
 
 @pytest.fixture(scope="module")
