@@ -105,12 +105,11 @@ def load_engine_for(args, methods: list[str]):
 
 def default_tree(engine, heads_name: str):
     """The heads' calibrated tree when one is recorded, else mc_sim_7b_63 cut to the heads' depth."""
-    from .checkpoints import heads_meta
+    from .scheduler import recorded_default
     from .trees import TREES_DIR, resolve_tree
 
     runner = engine.runners[heads_name]
-    meta = heads_meta(runner.heads)
-    name = meta.get("default_tree")
+    name = recorded_default(engine, heads_name, "default_tree")
     if name and (TREES_DIR / name).is_file():
         return resolve_tree(str(TREES_DIR / name)).truncated(runner.config.num_heads)
     return resolve_tree("mc_sim_7b_63").truncated(runner.config.num_heads)

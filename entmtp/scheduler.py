@@ -281,14 +281,21 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
     raise ValueError(f"unknown scheduler {name!r} (static, ladder, hysteresis, entropy, dynamic)")
 
 
-def default_bank_path(engine, heads: Optional[str]) -> Path:
-    """The entropy bank recorded in the loaded heads' meta (`default_bank`, a file in trees/)."""
-    from .trees import TREES_DIR
-
+def recorded_default(engine, heads: Optional[str], key: str) -> Optional[str]:
+    """A file name recorded in the loaded heads' meta: `<key>_<dtype>` for the engine's dtype
+    (trees and banks are calibrated per dtype and hardware), else `<key>`."""
     meta = {}
     if engine is not None and heads in getattr(engine, "runners", {}):
         meta = getattr(engine.runners[heads].heads, "meta", {}) or {}
-    name = meta.get("default_bank")
+    dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
+    return meta.get(f"{key}_{dtype}") or meta.get(key)
+
+
+def default_bank_path(engine, heads: Optional[str]) -> Path:
+    """The entropy bank recorded in the loaded heads' meta (`default_bank[_<dtype>]`, a file in trees/)."""
+    from .trees import TREES_DIR
+
+    name = recorded_default(engine, heads, "default_bank")
     if not name or not (TREES_DIR / name).is_file():
         raise TreeError(f"no entropy bank recorded for the {heads or 'loaded'} heads; fit one with `entmtp search` or pass --bank")
     return TREES_DIR / name

@@ -566,7 +566,8 @@ class SearchReport:
         p = self.provenance
         model = str((p.get("model") or {}).get("name") or "model")
         model = _slug(Path(model).name).replace("-instruct", "")
-        return f"{model}-{_slug((p.get('heads') or {}).get('label') or 'heads')}"
+        tag = f"-{_slug(p['tag'])}" if p.get("tag") else ""
+        return f"{model}-{_slug((p.get('heads') or {}).get('label') or 'heads')}{tag}"
 
     # ---- rendering -------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -1127,6 +1128,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decompose", action="store_true", help="rollout statistics: skip the union pass over the held-out prompts "
                                                                  "(which splits prediction gaps into prompt and on-policy parts)")
     p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. trees/)")
+    p.add_argument("--tag", default="", help="tag in the saved tree and bank names, e.g. fp32 -> MODEL-HEADS-fp32-b8.json")
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
@@ -1238,6 +1240,8 @@ def cmd_search(args) -> int:
         _end_distributed()
     if report is None:
         return 0
+    if args.tag:
+        report.provenance["tag"] = args.tag
     files = report.write(args.out, save_trees_to=args.save_trees_to)
     print(_summary_table(report))
     for w in report.warnings:

@@ -3,6 +3,8 @@
 After `entmtp search ... --save-trees-to trees/` for every head kind (scripts/reproduce_embedded.sh):
 the best tokens/s tree of at most 64 nodes (`<name>-b64.json`) becomes the heads' default tree and
 `<name>-bank.json` their entropy bank (`meta.default_tree` / `meta.default_bank` in config.json).
+With `--dtype float32 --tag fp32 --kinds hydrapp`: `<name>-fp32-b64.json` / `<name>-fp32-bank.json`
+become `meta.default_tree_float32` / `meta.default_bank_float32` (used when the base runs in float32).
 """
 
 import argparse
@@ -20,19 +22,27 @@ def main() -> int:
     ap.add_argument("--trees-dir", default=str(ROOT / "trees"))
     ap.add_argument("--name", default="smollm2-135m")
     ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--dtype", default=None, help="record as the default for this dtype only (e.g. float32)")
+    ap.add_argument("--tag", default="", help="tag in the tree file names, e.g. fp32 for <name>-fp32-b64.json")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: medusa,hydra,hydrapp")
     args = ap.parse_args()
-    for suffix in KINDS:
+    key_suffix = f"_{args.dtype}" if args.dtype else ""
+    tag = f"-{args.tag}" if args.tag else ""
+    for suffix in [k.strip() for k in args.kinds.split(",") if k.strip()]:
+        if suffix not in KINDS:
+            print(f"error: unknown kind {suffix!r} (medusa, hydra, hydrapp)", file=sys.stderr)
+            return 2
         cfg_path = Path(args.heads_dir) / f"{args.name}-{suffix}" / "config.json"
-        tree = f"{args.name}-{suffix}-b{args.budget}.json"
-        bank = f"{args.name}-{suffix}-bank.json"
+        tree = f"{args.name}-{suffix}{tag}-b{args.budget}.json"
+        bank = f"{args.name}-{suffix}{tag}-bank.json"
         missing = [p for p in (cfg_path, Path(args.trees_dir) / tree, Path(args.trees_dir) / bank) if not p.is_file()]
         if missing:
             print(f"error: missing {', '.join(map(str, missing))}", file=sys.stderr)
             return 2
         cfg = json.loads(cfg_path.read_text())
-        cfg.setdefault("meta", {}).update(default_tree=tree, default_bank=bank)
+        cfg.setdefault("meta", {}).update({f"default_tree{key_suffix}": tree, f"default_bank{key_suffix}": bank})
         cfg_path.write_text(json.dumps(cfg, indent=1) + "\n")
-        print(f"{cfg_path}: default_tree {tree}, default_bank {bank}")
+        print(f"{cfg_path}: default_tree{key_suffix} {tree}, default_bank{key_suffix} {bank}")
     return 0
 
 

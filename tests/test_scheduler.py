@@ -118,3 +118,20 @@ def test_make_scheduler_errors():
         make_scheduler("nope")
     with pytest.raises(TreeError, match="bank file not found"):
         make_scheduler("entropy", bank="/nonexistent/bank.json")
+
+
+def test_recorded_defaults_are_chosen_per_dtype():
+    from entmtp.cli import default_tree
+    from entmtp.scheduler import default_bank_path, recorded_default
+
+    m = tiny_model("llama", vocab=VOCAB, seed=7)
+    heads = random_heads(m, "hydra", num_heads=4, seed=1)
+    heads.meta = {"default_tree": "chain_2.json", "default_tree_float32": "binary_2x2.json",
+                  "default_bank": "no-such-bank.json"}
+    eng = Engine(m, None, {"hydra": heads})
+    assert recorded_default(eng, "hydra", "default_tree") == "binary_2x2.json"  # the engine is float32
+    assert default_tree(eng, "hydra").key() == resolve_tree("binary_2x2").key()
+    heads.meta.pop("default_tree_float32")
+    assert default_tree(eng, "hydra").key() == resolve_tree("chain_2").key()
+    with pytest.raises(TreeError, match="no entropy bank"):
+        default_bank_path(eng, "hydra")  # recorded, but the file does not exist

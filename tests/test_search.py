@@ -477,8 +477,10 @@ def test_cli_search_and_score_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch
     out, saved = tmp_path / "out", tmp_path / "saved"
     code, stdout, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra",
                             "--data", tiny_dir / "prompts.jsonl", "--budgets", "2,4", "--out", out, "--max-new-tokens", 10,
-                            "--union-nodes", 20, "--latency-repeats", 1, "--no-progress", "--save-trees-to", saved)
+                            "--union-nodes", 20, "--latency-repeats", 1, "--no-progress", "--save-trees-to", saved,
+                            "--tag", "fp32")
     assert code == 0, err
+    assert all(p.name.startswith("base-hydra-fp32-") for p in saved.glob("*.json"))  # the tag names the files
     for f in ("search.json", "stats.json", "frontier.html", "report.md"):
         assert (out / f).is_file()
     res = json.loads((out / "search.json").read_text())
