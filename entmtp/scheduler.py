@@ -260,6 +260,8 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
         return Scheduler(tree)
     if name == "dynamic":
         opts = {k: v for k, v in kw.items() if k in ("budget", "depth", "topk", "beam")}
+        if tree is not None and tree.n_nodes and "budget" not in opts:
+            opts["budget"] = tree.n_nodes  # the same node budget as the calibrated static tree: a fair comparison
         if engine is not None and heads in getattr(engine, "runners", {}):
             opts["depth"] = min(opts.get("depth", 4), engine.runners[heads].config.num_heads)
         return DynamicScheduler(**opts)

@@ -113,6 +113,13 @@ def test_dynamic_tree_respects_budget_and_depth(engine):
             assert s.draft_probs[1] == s.draft_probs[1]  # drafted with statistics (not NaN)
 
 
+def test_dynamic_budget_defaults_to_the_static_trees_nodes(engine):
+    d = make_scheduler("dynamic", engine=engine, heads="hydra", tree=resolve_tree("binary_2x2"))
+    assert d.budget == resolve_tree("binary_2x2").n_nodes
+    assert make_scheduler("dynamic", engine=engine, heads="hydra", tree=resolve_tree("binary_2x2"), budget=20).budget == 20
+    assert make_scheduler("dynamic").budget == 32
+
+
 def test_make_scheduler_errors():
     with pytest.raises(ValueError, match="unknown scheduler"):
         make_scheduler("nope")
