@@ -262,7 +262,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt-lookup chain length for every method with heads (default: entmtp and lookup 8, others 0)")
+                   help="prompt-lookup chain length for every method with heads (default: entmtp 4, lookup 8, others 0)")
     p.add_argument("--out", default="runs/bench")
 
 

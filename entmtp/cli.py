@@ -15,7 +15,7 @@ from pathlib import Path
 METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
 # Prompt-lookup chain length per method when --lookup is not given: entmtp grafts copied context
 # spans onto its trees; "lookup" is our prompt-lookup decoding (no heads); the others are pure heads.
-DEFAULT_LOOKUP = {"entmtp": 8, "lookup": 8}
+DEFAULT_LOOKUP = {"entmtp": 4, "lookup": 8}  # entmtp: 4 (on the bench set 4 -> 8 tokens gained 1% tau for 17% more nodes)
 
 
 class CLIError(Exception):
