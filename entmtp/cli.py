@@ -196,8 +196,12 @@ def cmd_generate(args) -> int:
     s = res.summary()
     tree_desc = sched.trees[0].describe() if sched is not None and len(sched.trees) == 1 else (sched.name if sched else "none")
     print()
+    copied = ""
+    if cfg.lookup:
+        n = sum(len(set(st.lookup_nodes) & set(st.accepted)) for st in res.steps if st.lookup_nodes)
+        copied = f", prompt lookup (up to {cfg.lookup}): {n} tokens accepted"
     print(f"-- {args.method}: {s['new_tokens']} tokens in {s['steps']} steps, tau {s['tau']:.2f}, "
-          f"{s['new_tokens'] / wall:.1f} tokens/s, stop: {s['stop_reason']}, tree: {tree_desc}", file=sys.stderr)
+          f"{s['new_tokens'] / wall:.1f} tokens/s, stop: {s['stop_reason']}, tree: {tree_desc}{copied}", file=sys.stderr)
     for n in res.notices:
         print(f"-- notice: {n}", file=sys.stderr)
     return 0

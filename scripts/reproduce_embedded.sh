@@ -40,7 +40,7 @@ python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrap
 # 4. benchmarks on the held-out bench set
 python -m entmtp bench --model default --dtype bfloat16 --methods hf,pld,baseline,lookup,medusa,hydra,hydra++,entmtp,dynamic \
   --max-new-tokens 128 --per-category 2 --out runs/bench-bf16
-python -m entmtp bench --model default --dtype bfloat16 --methods hf,hydra++,entmtp --lookup 8 \
+python -m entmtp bench --model default --dtype bfloat16 --methods hf,hydra++,entmtp --lookup 4 \
   --max-new-tokens 128 --per-category 2 --out runs/bench-bf16-lookup
 python -m entmtp bench --model default --dtype float32 --methods hf,baseline,medusa,hydra,hydra++,entmtp \
   --max-new-tokens 128 --per-category 2 --out runs/bench-fp32

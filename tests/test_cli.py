@@ -51,6 +51,8 @@ def test_generate_with_lookup_is_identical_and_records_copied_nodes(tiny, capsys
         got = json.loads(out)
         assert got["tokens"] == ref["tokens"]
         assert any(s.get("lookup_nodes") for s in got["steps"]), extra
+    code, _, err = run(capsys, *base[:-1], "--method", "lookup")  # without --json: the summary line counts copies
+    assert code == 0 and "prompt lookup (up to 8):" in err and "tokens accepted" in err
     code, out, err = run(capsys, *base, "--method", "hydra", "--heads", str(tiny / "hydra"), "--lookup", "-2")
     assert code != 0 and "lookup" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
