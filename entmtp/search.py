@@ -1208,6 +1208,9 @@ def _end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # every rank reaches here before any tears the group down: a gloo peer that vanishes
+        # while another still talks to it aborts that process
+        dist.barrier()
         dist.destroy_process_group()
 
 
