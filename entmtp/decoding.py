@@ -247,6 +247,7 @@ class Generation:
     def _choose_tree(self):
         """(tree, reason, draft or None) for this step, from the scheduler and this step's signals."""
         self._first_logits = None
+        self._t_first_level = 0.0
         if self.runner is None or self.scheduler is None:
             return ROOT_ONLY, None, None
         s = self.scheduler
@@ -255,7 +256,9 @@ class Generation:
         if s.needs_root:
             sig.root_entropy, sig.root_prob = _entropy_prob(self.root_logits, self.root)
         if s.needs_draft:
+            t = time.perf_counter()
             lg = self._first_logits = self.runner.first_level(self.feature, root_t)  # reused as the draft's level 1
+            self._t_first_level = time.perf_counter() - t
             sig.draft_entropy, sig.draft_top1 = _entropy_prob(lg, int(lg.argmax()))
         if s.needs_context:
             sig.context = DraftContext(self.runner, self.feature, root_t)
@@ -283,8 +286,9 @@ class Generation:
             return Step(len(self.steps), "emit_only", 0, [self.root], [-1], [0], emitted, None, 0.0, 0.0,
                         time.perf_counter() - t0)
         tree, reason, ready = self._choose_tree()
-        t_sched = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        # head 0's logits, computed early as a signal, are the draft's first level: drafting time
+        t_sched = time.perf_counter() - t0 - self._t_first_level
+        t0 = time.perf_counter() - self._t_first_level
         if tree.size > room:
             self.notices.append(f"step {len(self.steps)}: tree of {tree.size} tokens does not fit the {room} positions left; drafting skipped")
             tree, ready = ROOT_ONLY, None
