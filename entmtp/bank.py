@@ -40,39 +40,19 @@ def _bucket(values: np.ndarray, edges: list[float]) -> np.ndarray:
 
 
 def replay_assignment(stats, acc: np.ndarray, cost: np.ndarray, cell: np.ndarray, assign: np.ndarray) -> tuple[float, float, int]:
-    """Trace statistics: replay decoding where each step uses the tree of its start record's cell.
+    """Trace statistics: replay decoding (`CalibrationStats.replay_steps`) where each step uses
+    the tree of its start record's cell.
 
     acc [T, R] accepted drafts of each candidate at each record; cost [T] seconds per step;
-    cell [R] bucket of each record; assign [C] candidate index per bucket. Same stops as
-    `CalibrationStats.simulate` (max_new_tokens, EOS). Returns (tokens, seconds, steps).
+    cell [R] bucket of each record; assign [C] candidate index per bucket. Returns (tokens, seconds, steps).
     """
-    max_new = int(stats.meta.get("max_new_tokens") or 0)
-    first: dict[str, int] = {}
-    for k, r in enumerate(stats.records):
-        first.setdefault(r.prompt_id, k)
+    tree_at = assign[cell]  # [R] candidate used by a step starting at each record
     tokens = seconds = 0.0
     steps = 0
-    for pid, info in stats.prompts.items():
-        n, eos = int(info["n_positions"]), info.get("eos_at")
-        s0 = first.get(pid, 0)
-        emitted = o = 0
-        while True:
-            remaining = max_new - emitted
-            if remaining <= 1 or (eos is not None and o == eos) or o >= n:
-                break
-            t = assign[cell[s0 + o]]
-            l = int(acc[t, s0 + o])
-            seconds += cost[t]
-            steps += 1
-            k = min(l + 1, remaining)
-            if eos is not None and o <= eos < o + k:
-                tokens += eos - o + 1
-                break
-            tokens += k
-            emitted += k
-            if emitted >= max_new:
-                break
-            o += l + 1
+    for _, r, _, k in stats.replay_steps(lambda r: acc[tree_at[r], r]):
+        tokens += k
+        seconds += cost[tree_at[r]]
+        steps += 1
     return tokens, seconds, steps
 
 

@@ -50,7 +50,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -402,46 +402,50 @@ class CalibrationStats:
             raise DataError("no calibration steps were recorded (every prompt ended at once?)")
         return 1.0 + float(self.accepted_lengths(tree).mean())
 
-    def simulate(self, tree: Tree) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """Trace mode: replay decoding with `tree` on every prompt exactly as the engine does
-        (same stops: max_new_tokens, EOS). Returns (steps, accepted drafts, per prompt
-        (steps, accepted))."""
+    def replay_steps(self, accepted_at: Callable[[int], int]) -> Iterator[tuple[str, int, int, int]]:
+        """Trace mode: replay decoding on every prompt exactly as the engine does (same stops:
+        max_new_tokens, EOS). accepted_at(record index) -> accepted drafts of a step starting at
+        that record. Yields (prompt id, record index, accepted drafts, tokens emitted) per step."""
         if self.mode != "trace":
             raise DataError("only trace statistics can replay decoding")
-        L = self.accepted_lengths(tree)
         max_new = int(self.meta.get("max_new_tokens") or 0)
         start = self._cache.get("starts")
         if start is None:
             start = {}
             for k, r in enumerate(self.records):
-                if r.prompt_id not in start:
-                    start[r.prompt_id] = k
-            start = self._cache["starts"] = start
-        steps = acc = 0
-        per: dict[str, tuple[int, int]] = {}
+                start.setdefault(r.prompt_id, k)
+            self._cache["starts"] = start
         for pid in sorted(self.prompts):
             info = self.prompts[pid]
             n, eos = int(info["n_positions"]), info.get("eos_at")
             s0 = start.get(pid, 0)
-            emitted = o = st = ac = 0
+            emitted = o = 0
             while True:
                 remaining = max_new - emitted
                 if remaining <= 1 or (eos is not None and o == eos) or o >= n:
                     break
-                l = int(L[s0 + o])
-                st += 1
-                ac += l
+                l = int(accepted_at(s0 + o))
                 k = min(l + 1, remaining)
                 if eos is not None and o <= eos < o + k:
+                    yield pid, s0 + o, l, eos - o + 1
                     break
+                yield pid, s0 + o, l, k
                 emitted += k
                 if emitted >= max_new:
                     break
                 o += l + 1
-            per[pid] = (st, ac)
-            steps += st
-            acc += ac
-        return steps, acc, per
+
+    def simulate(self, tree: Tree) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """Trace mode: replay decoding with `tree` (`replay_steps`). Returns (steps, accepted
+        drafts, per prompt (steps, accepted))."""
+        if self.mode != "trace":
+            raise DataError("only trace statistics can replay decoding")
+        L = self.accepted_lengths(tree)
+        per: dict[str, tuple[int, int]] = {pid: (0, 0) for pid in sorted(self.prompts)}
+        for pid, _, l, _ in self.replay_steps(L.__getitem__):
+            st, ac = per[pid]
+            per[pid] = (st + 1, ac + l)
+        return sum(v[0] for v in per.values()), sum(v[1] for v in per.values()), per
 
     def predict_tau(self, tree: Tree) -> float:
         """Predicted tau (tokens per verification step) of decoding with `tree`: the exact
