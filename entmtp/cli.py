@@ -70,7 +70,7 @@ def method_heads(method: str, args) -> str | None:
     return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra++", "dynamic": "hydra++"}[method]
 
 
-def method_lookup(method: str, args) -> int:
+def method_lookup(method: str, args=None) -> int:
     """Prompt-lookup chain length of a method: --lookup for every method with heads, else its default."""
     given = getattr(args, "lookup", None)
     if method == "baseline":
@@ -198,7 +198,7 @@ def cmd_generate(args) -> int:
     print()
     copied = ""
     if cfg.lookup:
-        n = sum(len(set(st.lookup_nodes) & set(st.accepted)) for st in res.steps if st.lookup_nodes)
+        n = sum(st.lookup_accepted for st in res.steps)
         copied = f", prompt lookup (up to {cfg.lookup}): {n} tokens accepted"
     print(f"-- {args.method}: {s['new_tokens']} tokens in {s['steps']} steps, tau {s['tau']:.2f}, "
           f"{s['new_tokens'] / wall:.1f} tokens/s, stop: {s['stop_reason']}, tree: {tree_desc}{copied}", file=sys.stderr)

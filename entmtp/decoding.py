@@ -303,13 +303,14 @@ class Generation:
             tree_tokens = draft.tokens
         else:
             tree_tokens = root_t.view(1)
+        tokens = tree_tokens.tolist()
         drafted_tree, lookup_nodes = tree, None
         if self.ngrams is not None:
             chain = self.ngrams.continuation([self.root], min(cfg.lookup, room - tree.size, remaining - 1))
             if chain:
-                tree, merged, lookup_nodes = graft_chain(tree, tree_tokens.tolist(), chain)
+                tree, tokens, lookup_nodes = graft_chain(tree, tokens, chain)
                 if lookup_nodes:
-                    tree_tokens = torch.tensor(merged, dtype=torch.long, device=dev)
+                    tree_tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
 
@@ -324,7 +325,6 @@ class Generation:
                                      position_ids=(buf.depths + self.past)[None], hidden=need_hidden, logits_to_keep=keep)
         else:
             logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden, logits_to_keep=keep)
-        tokens = tree_tokens.tolist()
         if screened is not None:
             targets, logits = screened.targets(hidden)  # logits: the bf16 screen (signals only)
         _sync(dev)

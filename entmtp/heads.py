@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .trees import Tree
+from .verify import fast_bf16_matmul
 
 
 @dataclass
@@ -325,15 +326,13 @@ class HeadRunner:
     """
 
     def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto"):
-        from .verify import _fast_bf16_matmul
-
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
         p = next(model.parameters())
         self.device = p.device
         if draft_dtype == "auto":
-            fast = p.dtype == torch.float32 and p.device.type == "cpu" and _fast_bf16_matmul()
+            fast = p.dtype == torch.float32 and p.device.type == "cpu" and fast_bf16_matmul()
             draft_dtype = torch.bfloat16 if fast else p.dtype
         self.dtype = draft_dtype  # the heads' compute dtype; features are cast to it
         self.heads.to(device=p.device, dtype=self.dtype)

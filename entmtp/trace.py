@@ -51,6 +51,11 @@ class Step:
         return len(self.accepted) - 1
 
     @property
+    def lookup_accepted(self) -> int:
+        """Accepted nodes that prompt lookup copied from the context (not drafted by a head)."""
+        return len(set(self.lookup_nodes) & set(self.accepted)) if self.lookup_nodes else 0
+
+    @property
     def n_emitted(self) -> int:
         return len(self.emitted)
 

@@ -39,6 +39,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from . import viz  # noqa: E402
+from .cli import method_lookup  # noqa: E402
 
 log = logging.getLogger("entmtp.app")
 
@@ -355,13 +356,6 @@ def method_heads(method: str, runners=()) -> Optional[str]:
     return {"baseline": None, "medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++"}[method]
 
 
-def method_lookup(method: str) -> int:
-    """Prompt-lookup chain length a method grafts onto its trees (entmtp: on; the others: pure heads)."""
-    from .cli import DEFAULT_LOOKUP
-
-    return DEFAULT_LOOKUP.get(method, 0)
-
-
 def method_status(entry: LoadedModel) -> dict[str, Optional[str]]:
     """method -> None when usable, else the reason it is not."""
     runners = entry.engine.runners
@@ -502,7 +496,7 @@ def _stats_md(res, wall: float, label: str, running: bool) -> str:
              html.escape(label)]
     if last is not None and last.tree_name and last.tree_name != "emit_only":
         parts.append(f"tree now: {html.escape(last.tree_name)}")
-    copied = sum(len(set(s.lookup_nodes) & set(s.accepted)) for s in res.steps if s.lookup_nodes)
+    copied = sum(s.lookup_accepted for s in res.steps)
     if any(s.lookup_nodes for s in res.steps):
         parts.append(f"{copied} tokens accepted from prompt lookup (▼)")
     parts.append("generating…" if running else f"stop: {html.escape(res.stop_reason or '–')}")

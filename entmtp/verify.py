@@ -91,7 +91,8 @@ def forward(model, input_ids: torch.Tensor, cache, *, mask: Optional[torch.Tenso
     return out.logits[0], h
 
 
-def _fast_bf16_matmul() -> bool:
+def fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
     cpu = getattr(torch, "cpu", None)
     try:
         return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
@@ -136,7 +137,7 @@ class ScreenedGreedyHead:
         w = getattr(head, "weight", None)
         p = next(model.parameters())
         if (w is None or w.dtype != torch.float32 or p.dtype != torch.float32 or w.device.type != "cpu"
-                or not _fast_bf16_matmul() or w.dim() != 2):
+                or not fast_bf16_matmul() or w.dim() != 2):
             return None
         bias = getattr(head, "bias", None)
         try:

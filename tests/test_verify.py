@@ -5,9 +5,9 @@ import torch
 
 from conftest import tiny_model
 from entmtp.decoding import DecodeConfig, Engine
-from entmtp.verify import ScreenedGreedyHead, _fast_bf16_matmul
+from entmtp.verify import ScreenedGreedyHead, fast_bf16_matmul
 
-needs_bf16 = pytest.mark.skipif(not _fast_bf16_matmul(), reason="this CPU has no bf16 matrix units")
+needs_bf16 = pytest.mark.skipif(not fast_bf16_matmul(), reason="this CPU has no bf16 matrix units")
 
 
 def test_targets_equal_fp32_argmax_even_for_near_ties():
