@@ -263,7 +263,9 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
         if tree is not None and tree.n_nodes and "budget" not in opts:
             opts["budget"] = tree.n_nodes  # the same node budget as the calibrated static tree: a fair comparison
         if engine is not None and heads in getattr(engine, "runners", {}):
-            opts["depth"] = min(opts.get("depth", 4), engine.runners[heads].config.num_heads)
+            # as deep as the heads draft unless asked for less
+            num_heads = engine.runners[heads].config.num_heads
+            opts["depth"] = min(opts.get("depth", num_heads), num_heads)
         return DynamicScheduler(**opts)
     if name == "entropy":
         if bank is None:

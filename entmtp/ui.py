@@ -444,10 +444,8 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
     try:
         if mod is None:
             raise AppError("the entropy scheduler is not available in this version")
-        extra = {}
-        if sched_name == "dynamic":  # grow trees no deeper than these heads draft
-            extra["depth"] = min(4, entry.engine.runners[heads].config.num_heads)
-        sched = mod.make_scheduler(sched_name, engine=entry.engine, heads=heads, tree=tree, bank=None, **extra)
+        # (make_scheduler grows dynamic trees no deeper than these heads draft)
+        sched = mod.make_scheduler(sched_name, engine=entry.engine, heads=heads, tree=tree, bank=None)
     except Exception as exc:  # noqa: BLE001
         if method != "entmtp" or sched_name != "entropy":
             raise AppError(f"scheduler {sched_name}: {error_message(exc)}") from None

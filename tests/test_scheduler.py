@@ -120,6 +120,18 @@ def test_dynamic_budget_defaults_to_the_static_trees_nodes(engine):
     assert make_scheduler("dynamic").budget == 32
 
 
+def test_dynamic_depth_defaults_to_the_heads_and_never_exceeds_them():
+    m = tiny_model("llama", vocab=VOCAB, seed=7)
+    eng = Engine(m, None, {"five": random_heads(m, "hydra", num_heads=5, seed=1),
+                           "two": random_heads(m, "hydra", num_heads=2, seed=2)})
+    assert make_scheduler("dynamic", engine=eng, heads="five").depth == 5
+    assert make_scheduler("dynamic", engine=eng, heads="five", depth=3).depth == 3
+    assert make_scheduler("dynamic", engine=eng, heads="two", depth=4).depth == 2
+    r = eng.run([3, 4, 5], heads="five", scheduler=make_scheduler("dynamic", engine=eng, heads="five", budget=12),
+                config=DecodeConfig(max_new_tokens=30, eos_token_ids=(), trace="full"))
+    assert max(max(s.depths) for s in r.steps if s.time_verify) <= 5
+
+
 def test_make_scheduler_errors():
     with pytest.raises(ValueError, match="unknown scheduler"):
         make_scheduler("nope")
