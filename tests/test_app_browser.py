@@ -20,7 +20,7 @@ CHROMIUM = os.environ.get("ENTMTP_CHROMIUM", "/usr/bin/chromium")
 if not shutil.which(CHROMIUM) and not Path(CHROMIUM).is_file():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
 
-from test_app_client import needs_search, tiny_app_env  # noqa: E402
+from test_app_client import launched_app, needs_search, tiny_app_env  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -38,24 +38,8 @@ def url(tmp_path_factory):
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = 2048
     cfg_path.write_text(json.dumps(cfg))
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import app
-    from entmtp import ui
-
-    ui.CACHE.clear()
-    _, address, _ = app.demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
-                                    **ui.launch_kwargs())
-    try:
+    with launched_app(env) as address:
         yield address, root
-    finally:
-        app.demo.close()
-        ui.CACHE.clear()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +65,13 @@ def settle(page, ms: int = 800) -> None:
     """Let gradio drop its 'pending' dimming and plotly finish drawing before a screenshot."""
     page.wait_for_load_state("load")
     page.wait_for_timeout(ms)
+
+
+def upload(page, elem: str, path: Path) -> None:
+    """Put a file into a gradio File component and wait until it lists the file (the upload goes
+    through the server, which on a loaded machine can take long)."""
+    page.set_input_files(f"{elem} input[type=file]", str(path))
+    page.wait_for_selector(f"{elem} :text('{path.name}')", timeout=3 * TIMEOUT_MS)
 
 
 def plot_trace_names(page, elem_id: str) -> list[str]:
@@ -181,8 +172,8 @@ def test_lab_frontier_download_and_bad_upload(page, url):
         "hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
         "paris is the capital.", "one two three four five", "how are you, world?")) + "\n")
     page.get_by_role("tab", name="Topology lab").click()
-    page.set_input_files("#calib_file input[type=file]", str(calib))
-    page.wait_for_selector("#calib_file :text('calib.jsonl')")
+    page.wait_for_selector("#lab_btn")  # the tab has rendered: its file input will not be replaced
+    upload(page, "#calib_file", calib)
     page.click("#lab_btn")
     page.wait_for_selector("#frontier .js-plotly-plot", timeout=180_000)
     page.wait_for_selector("#tree_download a")
@@ -198,8 +189,7 @@ def test_lab_frontier_download_and_bad_upload(page, url):
 
     bad = root / "bad_tree.json"
     bad.write_text('{"paths": [[0], [1, 0]]')
-    page.set_input_files("#tree_upload input[type=file]", str(bad))
-    page.wait_for_selector("#tree_upload :text('bad_tree.json')")
+    upload(page, "#tree_upload", bad)
     page.click("#score_btn")
     page.wait_for_selector("#score_result .entmtp-error")
     assert "invalid JSON" in page.inner_text("#score_result")

@@ -6,6 +6,7 @@ The app runs in-process on a tiny random model with random Medusa / Hydra heads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -42,10 +43,9 @@ def tiny_app_env(root) -> dict:
             "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("app")
-    env = tiny_app_env(root)
+@contextlib.contextmanager
+def launched_app(env: dict):
+    """app.py's demo on a free local port with `env` set (restored afterwards); yields its URL."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import app
@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     _, url, _ = app.demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
                                 **ui.launch_kwargs())
     try:
-        yield url, root
+        yield url
     finally:
         app.demo.close()
         ui.CACHE.clear()
@@ -64,6 +64,13 @@ def server(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    with launched_app(tiny_app_env(root)) as url:
+        yield url, root
 
 
 @pytest.fixture
