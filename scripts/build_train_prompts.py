@@ -1075,12 +1075,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exclude", type=Path, action="append", default=[],
                         help="extra held-out prompt file (any load_prompts format); repeatable")
+    parser.add_argument("--only-ids", type=Path, default=None,
+                        help="keep only the rows whose id is listed in this file (one per line): the subset a "
+                             "time-budgeted self-distillation answered, e.g. assets/heads/train_prompt_ids.txt")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
 
     held_out = load_held_out(HELD_OUT_FILES + args.exclude)
     rows, counts = build(args.n, args.seed, held_out)
+    if args.only_ids is not None:
+        try:
+            wanted = {line.strip() for line in args.only_ids.read_text(encoding="utf-8").splitlines() if line.strip()}
+        except OSError as e:
+            parser.error(f"--only-ids: cannot read {args.only_ids}: {e.strerror}")
+        missing = wanted - {r["id"] for r in rows}
+        if missing:
+            parser.error(f"--only-ids: {len(missing)} ids are not among the {len(rows)} built prompts "
+                         f"(e.g. {sorted(missing)[0]}); use the same --n, --seed and --exclude as the listed run")
+        rows = [r for r in rows if r["id"] in wanted]
+        counts = Counter(r["id"].rsplit("-", 1)[0] for r in rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", encoding="utf-8") as f:
         for row in rows:
@@ -1090,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
     per_category = ", ".join(f"{c} {k}" for c, k in sorted(Counter(r["category"] for r in rows).items()))
     print(f"wrote {len(rows)} prompts to {args.out} ({per_source})")
     print(f"categories: {per_category}")
-    if len(rows) < args.n:
+    if len(rows) < args.n and args.only_ids is None:
         print(f"note: only {len(rows)} distinct prompts were available (asked for {args.n})")
     return 0
 

@@ -88,6 +88,17 @@ def test_build_train_prompts(builder, tmp_path, capsys):
     builder.main(["--out", str(again), "--n", "300", "--seed", "3"])
     assert again.read_bytes() == out.read_bytes()  # deterministic for a seed
 
+    # --only-ids keeps exactly the listed rows, in order; ids the build does not have are an error
+    keep = [rows[i]["id"] for i in (0, 7, 299)]
+    (tmp_path / "ids.txt").write_text("\n".join(keep) + "\n")
+    subset = tmp_path / "subset.jsonl"
+    assert builder.main(["--out", str(subset), "--n", "300", "--seed", "3", "--only-ids", str(tmp_path / "ids.txt")]) == 0
+    assert [json.loads(line) for line in subset.read_text().splitlines()] == [rows[0], rows[7], rows[299]]
+    (tmp_path / "ids.txt").write_text("generated-99999\n")
+    with pytest.raises(SystemExit) as e:
+        builder.main(["--out", str(subset), "--n", "300", "--seed", "3", "--only-ids", str(tmp_path / "ids.txt")])
+    assert e.value.code == 2 and "not among the 300 built prompts" in capsys.readouterr().err
+
 
 def test_generated_source_alone(builder, monkeypatch):
     """Without the optional packages the generator still fills --n."""
