@@ -28,6 +28,8 @@ process writes checkpoints, reports and logs):
    AdamW, linear warm-up then cosine to ``--final-lr-mult`` over the planned steps; the data
    order is a seeded permutation per epoch indexed by the global step, so ``--resume`` from
    a checkpoint continues with exactly the batch that would have come next.
+   ``--init-from DIR`` starts from trained heads instead of fresh ones (fine-tuning on new
+   data); their draft vocabulary and shapes are kept.
 5. **Evaluation** on the held-out split: each head's top-1 / top-5 agreement with the base
    model's greedy token, and the teacher-forced chain tau
    ``1 + sum_k prod_{j<=k} top1_correct_j`` averaged over positions.
@@ -111,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated head kinds trained jointly: medusa, hydra, hydra++")
     g.add_argument("--num-heads", type=int, default=4, help="heads per kind (draft depth)")
     g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from trained heads (fine-tune): a heads directory, or a directory of "
+                        "<name>-<medusa|hydra|hydrapp> heads as --out writes them; keeps their draft vocabulary")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="0 = full vocabulary; N = the N most frequent training answer tokens plus EOS")
 
@@ -240,6 +245,15 @@ def lr_multiplier(step: int, warmup: int, total: int, final: float) -> float:
 
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _sha256_state(module: nn.Module) -> str:
+    """Fingerprint of a module's weights (names, shapes and float32 values)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _prompt_key(prompt) -> str:
@@ -603,6 +617,78 @@ def _build_sequences(ctx: _Ctx, args, tokenizer, train_p: list, held_p: list,
                 continue
             seqs.append(Seq(p.id, torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), split))
     return seqs, dict(info)
+
+
+def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_config,
+                eos: list[int]) -> dict[str, tuple[Path, DraftHeads]]:
+    """Trained heads to start each kind from (--init-from), checked against this run's settings.
+
+    `path` is one heads directory (when training one kind) or a directory holding one
+    `*-{medusa|hydra|hydrapp}` heads directory per kind. Every kind must share one draft
+    vocabulary (the feature cache and the teacher targets are built on it).
+    """
+    from .checkpoints import CONFIG_FILE, CheckpointError, load_heads
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise TrainError(f"--init-from {path}: no such directory")
+    found: dict[str, Path] = {}
+    if (root / CONFIG_FILE).is_file():
+        if len(kinds) != 1:
+            raise TrainError(f"--init-from {path} holds one kind of heads but --heads asks for {', '.join(kinds)}; "
+                             "give a directory of <name>-<kind> heads (as --out writes them)")
+        found[kinds[0]] = root
+    else:
+        for kind in kinds:
+            suffix = KINDS[kind][2]
+            cands = sorted(d for d in root.glob(f"*-{suffix}") if (d / CONFIG_FILE).is_file())
+            if len(cands) != 1:
+                what = "no" if not cands else f"{len(cands)}"
+                raise TrainError(f"--init-from {path}: {what} '*-{suffix}' heads directory for {kind} (need exactly one)")
+            found[kind] = cands[0]
+    heads: dict[str, tuple[Path, DraftHeads]] = {}
+    vocab_ref: Optional[torch.Tensor] = None
+    for i, (kind, d) in enumerate(found.items()):
+        try:
+            h = load_heads(d, base_config)
+        except CheckpointError as e:
+            raise TrainError(f"--init-from: {e}") from None
+        cfg = h.config
+        hk, prefix, _ = KINDS[kind]
+        if cfg.kind != hk or bool(cfg.prefix_layer) != prefix:
+            raise TrainError(f"--init-from {d}: these are {cfg.label} heads, not {kind}")
+        if not cfg.shared_lm_head or h.lm_heads is not None:
+            raise TrainError(f"--init-from {d}: only heads that share the base lm_head can be fine-tuned here")
+        if (cfg.num_heads, cfg.num_layers) != (args.num_heads, args.num_layers):
+            raise TrainError(f"--init-from {d}: {cfg.num_heads} heads x {cfg.num_layers} layers, but this run asks for "
+                             f"--num-heads {args.num_heads} --num-layers {args.num_layers}")
+        vocab = h.draft_vocab
+        # a --draft-vocab N run keeps N tokens plus any EOS ids (see _build_draft_vocab)
+        if args.draft_vocab and (vocab is None or not args.draft_vocab <= int(vocab.numel()) <= args.draft_vocab + len(eos)):
+            have = "the full vocabulary" if vocab is None else f"{int(vocab.numel())} tokens"
+            raise TrainError(f"--init-from {d}: its draft vocabulary has {have}, not --draft-vocab {args.draft_vocab} "
+                             "(drop --draft-vocab to keep theirs)")
+        if i == 0:
+            vocab_ref = vocab
+        elif (vocab is None) != (vocab_ref is None) or (vocab is not None and not torch.equal(vocab, vocab_ref)):
+            raise TrainError(f"--init-from {path}: the kinds' draft vocabularies differ; train them in separate runs")
+        heads[kind] = (d, h)
+    return heads
+
+
+def _config_mismatch(new: HeadsConfig, old: HeadsConfig) -> list[str]:
+    """Fields (besides provenance) where a fresh config for this run differs from the init heads'."""
+    a, b = new.to_dict(), old.to_dict()
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k in ("base_model", "notes", "format", "meta"):
+            continue
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, float) and isinstance(y, float) and math.isclose(x, y, rel_tol=1e-5):
+            continue
+        if x != y:
+            out.append(f"{k} {y} (init) vs {x}")
+    return out
 
 
 def _build_draft_vocab(seqs: list[Seq], n: int, vocab_size: int, eos: list[int]) -> Optional[torch.Tensor]:
@@ -1173,7 +1259,14 @@ def run_training(args: argparse.Namespace) -> TrainResult:
               + (f"; {seq_info}" if seq_info else ""))
 
     # ---- draft vocabulary ------------------------------------------------------------------------
-    draft_vocab = _build_draft_vocab(seqs, args.draft_vocab, cfg_vocab, eos)
+    init: dict[str, tuple[Path, DraftHeads]] = {}
+    if args.init_from:
+        init = _init_heads(args.init_from, kinds, args, model.config, eos)
+        draft_vocab = next(iter(init.values()))[1].draft_vocab  # the heads were trained on these rows
+        draft_vocab = None if draft_vocab is None else draft_vocab.clone().cpu()
+        ctx.print("init: starting from " + ", ".join(f"{k} {d}" for k, (d, _) in init.items()))
+    else:
+        draft_vocab = _build_draft_vocab(seqs, args.draft_vocab, cfg_vocab, eos)
     remap_cpu = torch.full((cfg_vocab,), -1, dtype=torch.long)
     if draft_vocab is None:
         remap_cpu = torch.arange(cfg_vocab)
@@ -1229,6 +1322,12 @@ def run_training(args: argparse.Namespace) -> TrainResult:
                                    draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
         cfg.base_model = base_name
         h = DraftHeads(cfg)
+        if kind in init:  # start from the trained weights
+            d, old = init[kind]
+            bad = _config_mismatch(cfg, old.config)
+            if bad:
+                raise TrainError(f"--init-from {d}: the heads do not match this run ({'; '.join(bad)})")
+            h.load_state_dict(old.state_dict())
         if draft_vocab is not None:
             h.draft_vocab.copy_(draft_vocab)
         heads[kind] = h.float()
@@ -1245,7 +1344,8 @@ def run_training(args: argparse.Namespace) -> TrainResult:
     # ---- resume --------------------------------------------------------------------------------------------
     run_sig = {"kinds": kinds, "num_heads": K, "num_layers": args.num_layers, "batch_size": args.batch_size,
                "seed": args.seed, "n_train": len(train_idx), "draft_vocab": None if draft_vocab is None else _sha256_json(draft_vocab.tolist()),
-               "train_data": _sha256_json([[seqs[i].pid, len(seqs[i])] for i in train_idx]), "model": model_fp}
+               "train_data": _sha256_json([[seqs[i].pid, len(seqs[i])] for i in train_idx]), "model": model_fp,
+               "init_from": {k: _sha256_state(h) for k, (_, h) in init.items()} or None}
     step = 0
     history: list[dict] = []
     train_seconds_before = 0.0
@@ -1389,7 +1489,7 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         "heads", "num_heads", "num_layers", "draft_vocab", "self_distill", "gen_max_new_tokens", "gen_batch_size",
         "gen_temperature", "held_out", "max_prompts", "max_len", "epochs", "max_steps", "time_budget_min",
         "batch_size", "lr", "warmup", "weight_decay", "final_lr_mult", "max_grad_norm", "lm_loss_weight",
-        "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed")}
+        "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed", "init_from")}
     recipe.update({"planned_steps": planned, "steps_per_epoch": order.steps_per_epoch, "draft_vocab_size": n_draft,
                    "optimizer": "AdamW", "schedule": "linear warmup + cosine", "processes": ctx.world,
                    "features": "cached" if use_cache else "on the fly",

@@ -250,6 +250,47 @@ def test_resume_continues_exactly(tiny_dir, data_file, tmp_path):
     assert _train_losses(second.report, "hydra") == _train_losses(straight.report, "hydra")
 
 
+def test_init_from_fine_tunes_trained_heads(tiny_dir, data_file, tmp_path):
+    """--init-from starts every kind from trained heads (their draft vocabulary kept) and trains on."""
+    first = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "20", "--draft-vocab", "20", tag="a"))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    # a tiny learning rate: the fine-tuned heads stay next to the ones they started from
+    tuned = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
+                                 "--init-from", str(tmp_path / "a-out"), tag="b"))
+    AcceleratorState._reset_state(True)
+    fresh = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
+                                 "--draft-vocab", "20", tag="c"))
+    assert tuned.report["recipe"]["init_from"] == str(tmp_path / "a-out")
+    for label in ("medusa", "hydra", "hydra++"):
+        start, now = first.heads[label], tuned.heads[label]
+        assert torch.equal(now.draft_vocab, start.draft_vocab)
+        for (n, a), (_, b) in zip(start.state_dict().items(), now.state_dict().items()):
+            assert torch.allclose(a.float(), b.float(), atol=1e-6), (label, n)
+        # the first step's loss is the trained heads' loss, far below fresh heads'
+        assert _train_losses(tuned.report, label)[0] < 0.8 * _train_losses(fresh.report, label)[0]
+    # one kind from its own directory
+    AcceleratorState._reset_state(True)
+    one = T.run_training(_args(tiny_dir, data_file, tmp_path, "--heads", "hydra", "--max-steps", "1",
+                               "--init-from", str(first.out_dirs["hydra"]), tag="d"))
+    assert torch.equal(one.heads["hydra"].draft_vocab, first.heads["hydra"].draft_vocab)
+
+    def err(*extra):
+        AcceleratorState._reset_state(True)
+        with pytest.raises(T.TrainError) as e:
+            T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", *extra, tag="e"))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "4 --num-layers" in err("--init-from", str(tmp_path / "a-out"), "--num-heads", "4")
+    assert "one kind" in err("--init-from", str(first.out_dirs["hydra"]))
+    assert "not hydra" in err("--heads", "hydra", "--init-from", str(first.out_dirs["medusa"]))
+    assert "--draft-vocab 30" in err("--init-from", str(tmp_path / "a-out"), "--draft-vocab", "30")
+    assert "no such directory" in err("--init-from", str(tmp_path / "nowhere"))
+    assert "no '*-medusa' heads directory" in err("--init-from", str(tmp_path))
+
+
 def test_on_the_fly_features_match_cache(tiny_dir, data_file, tmp_path):
     a = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "6", "--heads", "hydra",
                              "--cache-features", tag="cache"))
