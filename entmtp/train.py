@@ -1572,7 +1572,8 @@ def _report_md(r: dict) -> str:
              f"* time: total {_fmt_s(r['timings']['total_s'])}, generation {_fmt_s(r['timings']['generation_s'])}, "
              f"features {_fmt_s(r['timings']['features_s'])}, training {_fmt_s(r['timings']['train_s'])}",
              f"* draft vocabulary: {r['recipe']['draft_vocab_size']} tokens; batch {r['recipe']['batch_size']} sequences; "
-             f"lr {r['recipe']['lr']}; loss weights lm {r['recipe']['lm_loss_weight']} / teacher {r['recipe']['teacher_loss_weight']}",
+             f"lr {r['recipe']['lr']}; loss weights lm {r['recipe']['lm_loss_weight']} / teacher {r['recipe']['teacher_loss_weight']}"
+             + (f"; started from the heads in `{r['recipe']['init_from']}`" if r["recipe"].get("init_from") else ""),
              "", "## Held-out agreement with the base model's greedy token (teacher-forced)", "",
              "| heads | dir | params | top-1 per head | top-5 per head | chain tau |", "|---|---|---|---|---|---|"]
     for kind, v in r["heads"].items():

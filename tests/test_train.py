@@ -263,6 +263,7 @@ def test_init_from_fine_tunes_trained_heads(tiny_dir, data_file, tmp_path):
     fresh = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
                                  "--draft-vocab", "20", tag="c"))
     assert tuned.report["recipe"]["init_from"] == str(tmp_path / "a-out")
+    assert f"started from the heads in `{tmp_path / 'a-out'}`" in (tmp_path / "b-out" / "train_report.md").read_text()
     for label in ("medusa", "hydra", "hydra++"):
         start, now = first.heads[label], tuned.heads[label]
         assert torch.equal(now.draft_vocab, start.draft_vocab)
