@@ -861,9 +861,13 @@ def _cached_features(ctx: _Ctx, args, extractor: _FeatureExtractor, seqs: list[S
     valid = bool(manifest and manifest.get("key") == key and manifest.get("n_seqs") == len(seqs)
                  and all((d / f).is_file() for f in manifest.get("files", [])))
     if ctx.main and not valid and root.is_dir():
-        for other in root.iterdir():  # stale caches of other inputs: ours to remove
-            if other.is_dir() and other.name != d.name and (other / "manifest.json").exists():
-                shutil.rmtree(other, ignore_errors=True)
+        # caches of other inputs stay (each is keyed: going back to those settings reuses it; a
+        # run with another seed or file must not delete 16 minutes of work), but say what they hold
+        others = [o for o in root.iterdir() if o.is_dir() and o.name != d.name and (o / "manifest.json").exists()]
+        if others:
+            size = sum(f.stat().st_size for o in others for f in o.iterdir() if f.is_file())
+            ctx.print(f"features: {len(others)} cache(s) of other inputs kept in {root} ({size / 1e9:.2f} GB); "
+                      "delete them to free the space")
     if ctx.main:
         d.mkdir(parents=True, exist_ok=True)
     ctx.barrier()

@@ -314,10 +314,15 @@ def test_feature_cache_invalidated_by_changed_input(tiny_dir, data_file, tmp_pat
     b = T.run_training(_args(tiny_dir, data_file, tmp_path, *base, "--max-len", "40", tag="inv"))
     assert not a.report["features"]["reused"] and not b.report["features"]["reused"]
     assert a.report["features"]["key"] != b.report["features"]["key"]
-    assert not Path(a.report["features"]["dir"]).exists() and Path(b.report["features"]["dir"]).is_dir()
+    # the other input's cache is kept (never deleted behind the user's back) and reused when its
+    # settings come back
+    assert Path(a.report["features"]["dir"]).is_dir() and Path(b.report["features"]["dir"]).is_dir()
     AcceleratorState._reset_state(True)
     c = T.run_training(_args(tiny_dir, data_file, tmp_path, *base, "--max-len", "40", tag="inv"))
     assert c.report["features"]["reused"] and c.report["features"]["key"] == b.report["features"]["key"]
+    AcceleratorState._reset_state(True)
+    d = T.run_training(_args(tiny_dir, data_file, tmp_path, *base, tag="inv"))
+    assert d.report["features"]["reused"] and d.report["features"]["key"] == a.report["features"]["key"]
 
 
 def test_bf16_base_and_mixed_precision(tiny_dir, data_file, tmp_path):
