@@ -672,6 +672,13 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
             vocab_ref = vocab
         elif (vocab is None) != (vocab_ref is None) or (vocab is not None and not torch.equal(vocab, vocab_ref)):
             raise TrainError(f"--init-from {path}: the kinds' draft vocabularies differ; train them in separate runs")
+        # every other field too, here and not after the (long) feature extraction
+        want = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=args.num_layers,
+                                    prefix_layer=prefix, shared_lm_head=True,
+                                    draft_vocab_size=None if vocab is None else int(vocab.numel()))
+        bad = _config_mismatch(want, cfg)
+        if bad:
+            raise TrainError(f"--init-from {d}: the heads do not match this run ({'; '.join(bad)})")
         heads[kind] = (d, h)
     return heads
 
@@ -1326,12 +1333,8 @@ def run_training(args: argparse.Namespace) -> TrainResult:
                                    draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
         cfg.base_model = base_name
         h = DraftHeads(cfg)
-        if kind in init:  # start from the trained weights
-            d, old = init[kind]
-            bad = _config_mismatch(cfg, old.config)
-            if bad:
-                raise TrainError(f"--init-from {d}: the heads do not match this run ({'; '.join(bad)})")
-            h.load_state_dict(old.state_dict())
+        if kind in init:  # start from the trained weights (config checked by _init_heads)
+            h.load_state_dict(init[kind][1].state_dict())
         if draft_vocab is not None:
             h.draft_vocab.copy_(draft_vocab)
         heads[kind] = h.float()
