@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from trained heads (fine-tune): a heads directory, or a directory of "
-                        "<name>-<medusa|hydra|hydrapp> heads as --out writes them; keeps their draft vocabulary")
+                        "<name>-<medusa|hydra|hydrapp> heads as --out writes them; keeps their draft vocabulary; "
+                        "a larger --num-layers adds blocks that start as the identity")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="0 = full vocabulary; N = the N most frequent training answer tokens plus EOS")
 
@@ -659,9 +660,14 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
             raise TrainError(f"--init-from {d}: these are {cfg.label} heads, not {kind}")
         if not cfg.shared_lm_head or h.lm_heads is not None:
             raise TrainError(f"--init-from {d}: only heads that share the base lm_head can be fine-tuned here")
-        if (cfg.num_heads, cfg.num_layers) != (args.num_heads, args.num_layers):
+        # more layers than the init heads is allowed: the extra blocks start as the identity
+        # (see _load_init), so the deeper heads begin exactly where the trained ones are
+        grow = args.num_layers > cfg.num_layers and not (cfg.shared_block or cfg.shared_all_blocks)
+        if cfg.num_heads != args.num_heads or (cfg.num_layers != args.num_layers and not grow):
             raise TrainError(f"--init-from {d}: {cfg.num_heads} heads x {cfg.num_layers} layers, but this run asks for "
-                             f"--num-heads {args.num_heads} --num-layers {args.num_layers}")
+                             f"--num-heads {args.num_heads} --num-layers {args.num_layers}"
+                             + ("" if cfg.num_heads != args.num_heads or args.num_layers > cfg.num_layers
+                                else " (heads can gain layers, not lose them)"))
         vocab = h.draft_vocab
         # a --draft-vocab N run keeps N tokens plus any EOS ids (see _build_draft_vocab)
         if args.draft_vocab and (vocab is None or not args.draft_vocab <= int(vocab.numel()) <= args.draft_vocab + len(eos)):
@@ -673,7 +679,7 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
         elif (vocab is None) != (vocab_ref is None) or (vocab is not None and not torch.equal(vocab, vocab_ref)):
             raise TrainError(f"--init-from {path}: the kinds' draft vocabularies differ; train them in separate runs")
         # every other field too, here and not after the (long) feature extraction
-        want = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=args.num_layers,
+        want = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=cfg.num_layers,
                                     prefix_layer=prefix, shared_lm_head=True,
                                     draft_vocab_size=None if vocab is None else int(vocab.numel()))
         bad = _config_mismatch(want, cfg)
@@ -681,6 +687,24 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
             raise TrainError(f"--init-from {d}: the heads do not match this run ({'; '.join(bad)})")
         heads[kind] = (d, h)
     return heads
+
+
+def _load_init(heads: DraftHeads, init: DraftHeads) -> None:
+    """Copy trained heads into fresh `heads` of the same config or with more layers per head.
+    Added blocks get W = 0 and b = 0: SiLU(0) = 0 makes each an exact identity, so the grown
+    heads draft exactly like `init` at step 0 (and the gradient 0.5 x lets them learn)."""
+    missing, unexpected = heads.load_state_dict(init.state_dict(), strict=False)
+    old_layers = init.config.num_layers
+    added = {f"blocks.{k}.{j}.linear.{w}" for k in range(heads.num_heads)
+             for j in range(old_layers, heads.config.num_layers) for w in ("weight", "bias")}
+    if unexpected or set(missing) != added:
+        raise TrainError(f"--init-from: the heads' weights do not fit this run (missing {sorted(set(missing) - added)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")
+    with torch.no_grad():
+        for k in range(heads.num_heads):
+            for block in heads.blocks[k][old_layers:]:
+                block.linear.weight.zero_()
+                block.linear.bias.zero_()
 
 
 def _config_mismatch(new: HeadsConfig, old: HeadsConfig) -> list[str]:
@@ -1334,7 +1358,7 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         cfg.base_model = base_name
         h = DraftHeads(cfg)
         if kind in init:  # start from the trained weights (config checked by _init_heads)
-            h.load_state_dict(init[kind][1].state_dict())
+            _load_init(h, init[kind][1])
         if draft_vocab is not None:
             h.draft_vocab.copy_(draft_vocab)
         heads[kind] = h.float()

@@ -291,6 +291,25 @@ def test_init_from_fine_tunes_trained_heads(tiny_dir, data_file, tmp_path):
     assert "no such directory" in err("--init-from", str(tmp_path / "nowhere"))
     assert "no '*-medusa' heads directory" in err("--init-from", str(tmp_path))
 
+    # more layers: the added blocks start as the identity, so the grown heads begin exactly as
+    # the trained ones (same logits) and then train on; fewer layers is an error
+    AcceleratorState._reset_state(True)
+    grown = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", "--lr", "1e-9", "--num-layers", "2",
+                                 "--init-from", str(tmp_path / "a-out"), tag="f"))
+    torch.manual_seed(2)
+    V = first.report["model"]["vocab_size"]
+    hidden, ids, embed = torch.randn(2, 8, 32), torch.randint(0, V, (2, 8)), torch.nn.Embedding(V, 32)
+    for label in ("medusa", "hydra", "hydra++"):
+        big, small = grown.heads[label].eval(), first.heads[label].eval()
+        assert big.config.num_layers == 2 and small.config.num_layers == 1
+        assert all(len(b) == 2 for b in big.blocks)
+        lm = torch.randn(big.config.draft_vocab_size, 32)
+        with torch.no_grad():
+            for x, y in zip(big.training_logits(hidden, ids, embed, lm), small.training_logits(hidden, ids, embed, lm)):
+                assert torch.allclose(x, y, atol=1e-4), label
+        assert _train_losses(grown.report, label)[0] == pytest.approx(_train_losses(tuned.report, label)[0], rel=1e-3)
+    assert "not lose them" in err("--num-layers", "1", "--init-from", str(tmp_path / "f-out"))
+
 
 def test_on_the_fly_features_match_cache(tiny_dir, data_file, tmp_path):
     a = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "6", "--heads", "hydra",
