@@ -916,7 +916,7 @@ def encode_prompts(engine: Engine, prompts: Sequence[Any]) -> list[tuple[str, li
 def collect_stats(engine: Engine, heads: str, prompts: Sequence[Any], union_tree: Optional[Tree] = None,
                   rule: RuleSpec | str | None = None, max_new_tokens: int = 64,
                   progress: Optional[Progress] = None, meta: Optional[dict] = None, signals: bool = True,
-                  method: str = "auto", max_rank: int = 16, batch_size: int = 16) -> CalibrationStats:
+                  method: str = "auto", max_rank: int = 32, batch_size: int = 16) -> CalibrationStats:
     """The one statistics pass over `prompts` (`Prompt`s, (id, token ids) pairs or id lists).
 
     method "trace" (default for the greedy and sampling rules): continue every prompt once

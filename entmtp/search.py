@@ -878,7 +878,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                held_out: float = 0.25, seed: int = 0, max_calibration: int = 200, max_eval: int = 6,
                max_held_out: int = 48,
                decompose: bool = True, latency: Optional[LatencyModel] = None, remeasure: bool = False,
-               latency_repeats: int = 3, stats_method: str = "auto", max_rank: int = 16, batch_size: int = 16,
+               latency_repeats: int = 3, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
                progress: Optional[Progress] = None, state=None, command: Optional[str] = None) -> Optional[SearchReport]:
     """The whole topology search (see the module docstring).
 
@@ -1072,8 +1072,8 @@ def _warnings(report: SearchReport) -> list[str]:
                  "predictions are noisy (use more prompts or tokens)")
     for r in report.chosen():
         c = r["candidate"]
-        if c.edge_nodes and r["role"] == "tokens_per_s":
-            w.append(f"the budget-{r['budget']} tree has {c.edge_nodes} nodes on the edge of what the statistics cover: "
+        if c.edge_nodes:  # either role: a 64-node tau tree of weak heads can use every covered rank
+            w.append(f"the budget-{r['budget']} {'tau ' if r['role'] == 'tau' else ''}tree has {c.edge_nodes} nodes on the edge of what the statistics cover: "
                      + ("a larger --max-rank" if st.mode == "trace" else "a wider union (--union-nodes)")
                      + " might find a better tree")
             break
@@ -1105,7 +1105,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-method", default="auto", choices=["auto", "trace", "rollout"],
                    help="statistics pass: trace (greedy / sampling: one continuation per prompt, every position recorded, "
                         "exact replay) or rollout (decode with a union tree; needed for typical); auto picks")
-    p.add_argument("--max-rank", type=int, default=16, help="trace statistics: ranks up to this (exclusive) are covered")
+    p.add_argument("--max-rank", type=int, default=32, help="trace statistics: ranks up to this (exclusive) are covered")
     p.add_argument("--batch-size", type=int, default=16, help="trace statistics: prompts continued together")
     p.add_argument("--union-nodes", type=int, default=128, help="rollout statistics: size of the union tree (+ mc_sim_7b_63)")
     p.add_argument("--union", default=None, help="rollout statistics: use this tree file as the union tree")
@@ -1292,7 +1292,7 @@ def load_stats_any(path: str | Path) -> CalibrationStats:
 def score(engine, heads: str, tree: Tree, prompts: Sequence[Any], stats: Optional[CalibrationStats] = None, *,
           rule: RuleSpec | str | None = None, max_new_tokens: int = 64, union_nodes: int = 128,
           latency: Optional[LatencyModel] = None, remeasure: bool = False, latency_repeats: int = 3,
-          stats_method: str = "auto", max_rank: int = 16, batch_size: int = 16,
+          stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
           progress: Optional[Progress] = None) -> dict:
     """Predicted (from `stats`, or from a statistics pass over `prompts` -- a rollout's union
     then contains the tree) and measured on-policy tau and tokens/s of one tree on `prompts`."""
