@@ -666,8 +666,7 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
         if cfg.num_heads != args.num_heads or (cfg.num_layers != args.num_layers and not grow):
             raise TrainError(f"--init-from {d}: {cfg.num_heads} heads x {cfg.num_layers} layers, but this run asks for "
                              f"--num-heads {args.num_heads} --num-layers {args.num_layers}"
-                             + ("" if cfg.num_heads != args.num_heads or args.num_layers > cfg.num_layers
-                                else " (heads can gain layers, not lose them)"))
+                             + (" (heads can gain layers, not lose them)" if args.num_layers < cfg.num_layers else ""))
         vocab = h.draft_vocab
         # a --draft-vocab N run keeps N tokens plus any EOS ids (see _build_draft_vocab)
         if args.draft_vocab and (vocab is None or not args.draft_vocab <= int(vocab.numel()) <= args.draft_vocab + len(eos)):

@@ -17,54 +17,40 @@ python scripts/build_train_prompts.py --out runs/train_prompts_v3.jsonl --n 6000
   --exclude runs/calib_prompts.jsonl --only-ids assets/heads/train_prompt_ids.txt
 
 # 2. heads, in two stages (the second fine-tunes the first with --init-from, on all 6000 prompts).
+#    Every stage shares these settings (5 heads per kind, bf16 features, the same loss and schedule
+#    shape, seed 0, one work dir whose self-distilled answers later stages reuse).
+train_heads() {
+  python -m entmtp train --model default --self-distill --num-heads 5 \
+    --dtype bfloat16 --mixed-precision bf16 --threads 2 \
+    --gen-max-new-tokens 160 --gen-batch-size 32 --gen-time-budget-min 0 \
+    --held-out 0.05 --max-len 512 --epochs 3 --batch-size 4 --warmup 30 --final-lr-mult 0.1 \
+    --teacher-loss-weight 1.0 --lm-loss-weight 0.1 --teacher-topk 16 --save-every 200 --seed 0 \
+    --work-dir runs/train-work --name smollm2-135m --save-dtype bfloat16 "$@"
+}
 #    Stage a (the previous version, v3): self-distillation of the 4391 prompts (about 70 min on 2
-#    threads), features (about 20 min), joint training of the three kinds with 5 heads each (2580
-#    steps, about 52 min; that run fitted its cosine schedule to a time budget as 2838 steps and
-#    stopped at 2580 when the budget ran out: --max-steps 2838 --stop-after 2580 repeats that).
+#    threads), features (about 20 min), joint training of the three kinds (2580 steps, about 52 min;
+#    that run fitted its cosine schedule to a time budget as 2838 steps and stopped at 2580 when the
+#    budget ran out: --max-steps 2838 --stop-after 2580 repeats that).
 #    That run split its held-out 5% from the 6000-prompt file; from the 4391-prompt file the split
 #    differs slightly, so expect the figures within noise, not bit for bit.
-python -m entmtp train \
-  --model default --data runs/train_prompts_v3.jsonl --self-distill \
-  --heads medusa,hydra,hydra++ --num-heads 5 --num-layers 1 --draft-vocab 8192 \
-  --dtype bfloat16 --mixed-precision bf16 --threads 2 \
-  --gen-max-new-tokens 160 --gen-batch-size 32 --gen-time-budget-min 0 \
-  --held-out 0.05 --max-len 512 --epochs 3 --max-steps 2838 --stop-after 2580 --batch-size 4 \
-  --lr 1e-3 --warmup 30 --final-lr-mult 0.1 \
-  --teacher-loss-weight 1.0 --lm-loss-weight 0.1 --teacher-topk 16 \
-  --eval-every 500 --save-every 200 --seed 0 \
-  --work-dir runs/train-work --out runs/heads-v3 --name smollm2-135m --save-dtype bfloat16
-#    Stage b (the shipped heads, v4): the remaining 1609 prompts answered (about 25 min; the same
-#    work dir reuses stage a's answers), features on the stage-a draft vocabulary (about 15 min),
-#    then the v3 heads trained on for 2750 steps at half the learning rate (about 57 min; that run
-#    fitted its schedule to an 80-minute budget as 2750 steps and completed them).
+train_heads --data runs/train_prompts_v3.jsonl --heads medusa,hydra,hydra++ --num-layers 1 --draft-vocab 8192 \
+  --max-steps 2838 --stop-after 2580 --lr 1e-3 --eval-every 500 --out runs/heads-v3
+#    Stage b (the shipped Hydra and Hydra++ heads, v4): the remaining 1609 prompts answered (about
+#    25 min; the same work dir reuses stage a's answers), features on the stage-a draft vocabulary
+#    (about 15 min), then the v3 heads trained on for 2750 steps at half the learning rate (about
+#    57 min; that run fitted its schedule to an 80-minute budget as 2750 steps and completed them).
 python scripts/build_train_prompts.py --out runs/train_prompts6000.jsonl --n 6000 --seed 0 --exclude runs/calib_prompts.jsonl
-python -m entmtp train \
-  --model default --data runs/train_prompts6000.jsonl --self-distill --init-from runs/heads-v3 \
-  --heads medusa,hydra,hydra++ --num-heads 5 --num-layers 1 \
-  --dtype bfloat16 --mixed-precision bf16 --threads 2 \
-  --gen-max-new-tokens 160 --gen-batch-size 32 --gen-time-budget-min 0 \
-  --held-out 0.05 --max-len 512 --epochs 3 --max-steps 2750 --batch-size 4 \
-  --lr 5e-4 --warmup 30 --final-lr-mult 0.1 \
-  --teacher-loss-weight 1.0 --lm-loss-weight 0.1 --teacher-topk 16 \
-  --eval-every 500 --save-every 200 --seed 0 \
-  --work-dir runs/train-work --out assets/heads --name smollm2-135m --save-dtype bfloat16
+train_heads --data runs/train_prompts6000.jsonl --init-from runs/heads-v3 --heads medusa,hydra,hydra++ --num-layers 1 \
+  --max-steps 2750 --lr 5e-4 --eval-every 500 --out assets/heads
 
 #    Stage c (the shipped Medusa heads, v5): stage b's Medusa heads grown to 2 residual blocks per
 #    head (the new blocks start as the identity) and trained Medusa-only for 1600 steps (about 8 min)
 #    on the answers a 46-minute self-distillation budget gave on a fresh machine (3719 train
 #    sequences; with stage b's answers cached here, all of them are used: expect the figures within
 #    noise). --init-from reads the v4 Medusa heads before they are replaced.
-cp -r assets/heads/smollm2-135m-medusa runs/heads-v4-medusa
-python -m entmtp train \
-  --model default --data runs/train_prompts6000.jsonl --self-distill --init-from runs/heads-v4-medusa \
-  --heads medusa --num-heads 5 --num-layers 2 \
-  --dtype bfloat16 --mixed-precision bf16 --threads 2 \
-  --gen-max-new-tokens 160 --gen-batch-size 32 --gen-time-budget-min 0 \
-  --held-out 0.05 --max-len 512 --epochs 3 --max-steps 1600 --batch-size 4 \
-  --lr 1e-3 --warmup 30 --final-lr-mult 0.1 \
-  --teacher-loss-weight 1.0 --lm-loss-weight 0.1 --teacher-topk 16 \
-  --eval-every 400 --save-every 200 --seed 0 \
-  --work-dir runs/train-work --out runs/heads-v5 --name smollm2-135m --save-dtype bfloat16
+rm -rf runs/heads-v4-medusa && cp -r assets/heads/smollm2-135m-medusa runs/heads-v4-medusa
+train_heads --data runs/train_prompts6000.jsonl --init-from runs/heads-v4-medusa --heads medusa --num-layers 2 \
+  --max-steps 1600 --lr 1e-3 --eval-every 400 --out runs/heads-v5
 rm -rf assets/heads/smollm2-135m-medusa && cp -r runs/heads-v5/smollm2-135m-medusa assets/heads/
 
 # 3. trees and entropy banks per head kind (bfloat16 latency model; torch's default threads, as the
