@@ -136,11 +136,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dt)
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's half-split convention). x [B, H, T, d], pos [T]."""
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Llama's half-split convention). x [B, H, T, d], pos [T], inv_freq [d/2] fp32."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
+    ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -149,14 +148,29 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 @dataclass
 class PrefixState:
-    """Per-request KV of the Hydra++ layer. keys/values [1, kv_heads, S, head_dim]."""
+    """Per-request KV of the Hydra++ layer: storage keys/values [1, kv_heads, capacity, head_dim]
+    of which the first `length` positions are used. The storage grows by doubling, so a step
+    copies only its new tokens' keys/values, not the whole history."""
 
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
+    length: int = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv_heads, T, d] -> every key/value so far, views [B, kv_heads, length + T, d]."""
+        need = self.length + k.shape[-2]
+        cap = 0 if self.keys is None else self.keys.shape[-2]
+        if need > cap:
+            cap = max(need, 2 * cap, 64)
+            keys, values = k.new_empty(*k.shape[:2], cap, k.shape[-1]), v.new_empty(*v.shape[:2], cap, v.shape[-1])
+            if self.length:
+                keys[:, :, : self.length] = self.keys[:, :, : self.length]
+                values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length: need] = k
+        self.values[:, :, self.length: need] = v
+        self.length = need
+        return self.keys[:, :, :need], self.values[:, :, :need]
 
 
 class PrefixLayer(nn.Module):
@@ -180,6 +194,7 @@ class PrefixLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies (not a parameter)
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
         """x [B, T, h] new hidden states (continuing `state` if given) -> [B, T, h].
@@ -189,26 +204,26 @@ class PrefixLayer(nn.Module):
         B, T, _ = x.shape
         past = state.length if state is not None else 0
         pos = torch.arange(past, past + T, device=x.device)
+        inv = self._inv_freq.get(x.device)
+        if inv is None:  # cached per device, float32 whatever the weights' dtype
+            d = self.head_dim
+            inv = self._inv_freq[x.device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
         y = self.input_layernorm(x)
         q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        q, k = _rope(q, pos, inv), _rope(k, pos, inv)
         if state is not None:
-            if state.keys is not None:
-                k = torch.cat([state.keys, k], dim=-2)
-                v = torch.cat([state.values, v], dim=-2)
-            state.keys, state.values = k, v
-        rep = self.n_heads // self.n_kv
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+            k, v = state.append(k, v)
+        gqa = self.n_heads != self.n_kv
         if past == 0:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif T == 1:  # one new token sees every key: no mask
+            att = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:
             # new token i (absolute past+i) sees keys 0..past+i
             allow = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, enable_gqa=gqa)
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))

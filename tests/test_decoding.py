@@ -271,3 +271,23 @@ def test_summary_and_json():
     assert s["new_tokens"] == 12 and s["tau"] >= 1.0 and 0 <= s["bookkeeping_share"] < 1
     import json
     json.dumps(r.to_dict())  # NaN-free, serialisable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_layer_steps_equal_one_causal_pass(dtype):
+    """Hydra++'s layer fed step by step (its KV storage growing past its first capacity, one-
+    and many-token steps) gives the outputs of one causal pass over the whole sequence."""
+    from entmtp.heads import PrefixState
+    layer = random_heads(tiny_model("llama", vocab=VOCAB, seed=3), "hydra", num_heads=2, prefix=True, seed=5).prefix
+    layer = layer.to(dtype)
+    torch.manual_seed(0)
+    x = torch.randn(1, 150, layer.q_proj.in_features, dtype=dtype)
+    with torch.inference_mode():
+        full = layer(x)
+        state, outs, i = PrefixState(), [], 0
+        for t in [40, 1, 3, 1, 1, 30, 2, 1, 71]:  # 150 tokens; storage grows at 64 and 128
+            outs.append(layer(x[:, i: i + t], state))
+            i += t
+    assert state.length == 150 and state.keys.shape[-2] >= 150
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=tol, atol=tol)
