@@ -1078,6 +1078,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-ids", type=Path, default=None,
                         help="keep only the rows whose id is listed in this file (one per line): the subset a "
                              "time-budgeted self-distillation answered, e.g. assets/heads/train_prompt_ids.txt")
+    parser.add_argument("--id-prefix", default="",
+                        help="prepend this to every id (files built with other seeds reuse ids: e.g. 's2-' keeps "
+                             "them distinct when concatenated with a seed-0 file)")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
@@ -1095,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(e.g. {sorted(missing)[0]}); use the same --n, --seed and --exclude as the listed run")
         rows = [r for r in rows if r["id"] in wanted]
         counts = Counter(r["id"].rsplit("-", 1)[0] for r in rows)
+    for r in rows:
+        r["id"] = args.id_prefix + r["id"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", encoding="utf-8") as f:
         for row in rows:

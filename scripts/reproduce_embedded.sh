@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the embedded artefacts: the trained heads (assets/heads/), the calibrated trees and
-# entropy banks (trees/), and the benchmark tables of README.md. CPU, about 6 h on 2 cores.
+# entropy banks (trees/), and the benchmark tables of README.md. CPU, about 7.5 h on 2 cores.
 # Run inside the project environment (bash run.sh install; . .venv/bin/activate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,19 @@ rm -rf runs/heads-v4-medusa && cp -r assets/heads/smollm2-135m-medusa runs/heads
 train_heads --data runs/train_prompts6000.jsonl --init-from runs/heads-v4-medusa --heads medusa --num-layers 2 \
   --max-steps 1600 --lr 1e-3 --eval-every 400 --out runs/heads-v5
 rm -rf assets/heads/smollm2-135m-medusa && cp -r runs/heads-v5/smollm2-135m-medusa assets/heads/
+
+#    Stage d (the shipped Hydra++ heads, v6): stage b's Hydra++ heads trained on for 1500 steps
+#    (about 38 min) on 7000 prompts: the 4000 of the 6000 whose answers were cached on that session's
+#    machine (train_prompt_ids_v6.txt) plus 3000 new ones from another seed (answered in about 30 min).
+python scripts/build_train_prompts.py --out runs/train_prompts_v6a.jsonl --n 6000 --seed 0 \
+  --exclude runs/calib_prompts.jsonl --only-ids assets/heads/train_prompt_ids_v6.txt
+python scripts/build_train_prompts.py --out runs/train_prompts_v6b.jsonl --n 3000 --seed 2 \
+  --exclude runs/calib_prompts.jsonl --exclude runs/train_prompts6000.jsonl --id-prefix s2-
+cat runs/train_prompts_v6a.jsonl runs/train_prompts_v6b.jsonl > runs/train_prompts_v6.jsonl
+rm -rf runs/heads-v4-hydrapp && cp -r assets/heads/smollm2-135m-hydrapp runs/heads-v4-hydrapp
+train_heads --data runs/train_prompts_v6.jsonl --init-from runs/heads-v4-hydrapp --heads hydra++ --num-layers 1 \
+  --max-steps 1500 --lr 3e-4 --eval-every 500 --out runs/heads-v6
+rm -rf assets/heads/smollm2-135m-hydrapp && cp -r runs/heads-v6/smollm2-135m-hydrapp assets/heads/
 
 # 3. trees and entropy banks per head kind (bfloat16 latency model; torch's default threads, as the
 #    benchmarks), then a float32 calibration of the Hydra++ heads for float32 decoding (entmtp)

@@ -99,6 +99,13 @@ def test_build_train_prompts(builder, tmp_path, capsys):
         builder.main(["--out", str(subset), "--n", "300", "--seed", "3", "--only-ids", str(tmp_path / "ids.txt")])
     assert e.value.code == 2 and "not among the 300 built prompts" in capsys.readouterr().err
 
+    # --id-prefix renames every id and changes nothing else (files of two seeds can be concatenated)
+    prefixed = tmp_path / "prefixed.jsonl"
+    assert builder.main(["--out", str(prefixed), "--n", "300", "--seed", "3", "--id-prefix", "s3-"]) == 0
+    renamed = [json.loads(line) for line in prefixed.read_text().splitlines()]
+    assert [r["id"] for r in renamed] == ["s3-" + r["id"] for r in rows]
+    assert [{**r, "id": None} for r in renamed] == [{**r, "id": None} for r in rows]
+
 
 def test_generated_source_alone(builder, monkeypatch):
     """Without the optional packages the generator still fills --n."""
