@@ -60,6 +60,7 @@ from .data import DataError, Prompt, render_prompt
 from .decoding import DecodeConfig, Engine
 from .scheduler import Decision, Scheduler, StepSignals
 from .trees import Path_, Tree, TreeError, resolve_tree
+from .verify import last_positions
 
 STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
@@ -680,7 +681,7 @@ def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: Ru
     pos = (attn.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                output_hidden_states=True, logits_to_keep=1)
+                output_hidden_states=True, logits_to_keep=last_positions(Pm, 1, dev))
     h0 = out.hidden_states[-1]
     hidden = [[h0[i, Pm - lens[i]:]] for i in range(B)]
     logits = out.logits[:, -1]

@@ -1081,6 +1081,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--id-prefix", default="",
                         help="prepend this to every id (files built with other seeds reuse ids: e.g. 's2-' keeps "
                              "them distinct when concatenated with a seed-0 file)")
+    parser.add_argument("--dedupe-against", type=Path, action="append", default=[],
+                        help="earlier TRAINING prompt file: drop built prompts whose text is exactly one of its "
+                             "prompts (after normalisation); unlike --exclude, near matches are kept. Repeatable")
+    parser.add_argument("--max-per-category", type=int, default=0,
+                        help="keep at most this many prompts of each category, in file order (0 = no cap)")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
@@ -1097,7 +1102,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only-ids: {len(missing)} ids are not among the {len(rows)} built prompts "
                          f"(e.g. {sorted(missing)[0]}); use the same --n, --seed and --exclude as the listed run")
         rows = [r for r in rows if r["id"] in wanted]
-        counts = Counter(r["id"].rsplit("-", 1)[0] for r in rows)
+    if args.dedupe_against:
+        seen = set()
+        for path in args.dedupe_against:
+            seen |= {normalize(p.user_text) for p in load_prompts(path).prompts}
+        rows = [r for r in rows if normalize(r["messages"][-1]["content"]) not in seen]
+    if args.max_per_category > 0:
+        taken: Counter = Counter()
+        capped = []
+        for r in rows:
+            if taken[r["category"]] < args.max_per_category:
+                taken[r["category"]] += 1
+                capped.append(r)
+        rows = capped
+    counts = Counter(r["id"].rsplit("-", 1)[0] for r in rows)
     for r in rows:
         r["id"] = args.id_prefix + r["id"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -1109,7 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
     per_category = ", ".join(f"{c} {k}" for c, k in sorted(Counter(r["category"] for r in rows).items()))
     print(f"wrote {len(rows)} prompts to {args.out} ({per_source})")
     print(f"categories: {per_category}")
-    if len(rows) < args.n and args.only_ids is None:
+    if len(rows) < args.n and args.only_ids is None and not args.dedupe_against and not args.max_per_category:
         print(f"note: only {len(rows)} distinct prompts were available (asked for {args.n})")
     return 0
 

@@ -106,6 +106,21 @@ def test_build_train_prompts(builder, tmp_path, capsys):
     assert [r["id"] for r in renamed] == ["s3-" + r["id"] for r in rows]
     assert [{**r, "id": None} for r in renamed] == [{**r, "id": None} for r in rows]
 
+    # --dedupe-against drops exact (normalised) repeats of an earlier training file and keeps the rest
+    # in order; --max-per-category caps each category in file order
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("".join(json.dumps({**r, "messages": [{"role": "user", "content": r["messages"][0]["content"].upper() + " !"}]}) + "\n"
+                               for r in rows[:100]))
+    deduped = tmp_path / "deduped.jsonl"
+    assert builder.main(["--out", str(deduped), "--n", "300", "--seed", "3", "--dedupe-against", str(earlier)]) == 0
+    assert [json.loads(line) for line in deduped.read_text().splitlines()] == rows[100:]
+    capped = tmp_path / "capped.jsonl"
+    assert builder.main(["--out", str(capped), "--n", "300", "--seed", "3", "--max-per-category", "5"]) == 0
+    got = [json.loads(line) for line in capped.read_text().splitlines()]
+    cats = {r["category"] for r in rows}
+    assert len(got) == 5 * len(cats)
+    assert got == [r for r in rows if [x["category"] for x in rows[: rows.index(r) + 1]].count(r["category"]) <= 5]
+
 
 def test_generated_source_alone(builder, monkeypatch):
     """Without the optional packages the generator still fills --n."""

@@ -71,3 +71,26 @@ def test_engine_uses_it_for_greedy_summary_traces_only():
     calls.clear()
     eng.run(prompt, config=DecodeConfig(max_new_tokens=5, eos_token_ids=(), trace="full"))
     assert not calls  # full traces need every node's full distribution
+
+
+def test_last_k_logits_are_indexed_rows_of_the_full_forward():
+    """forward(logits_to_keep=k) passes the last k positions as indices (a contiguous gather, not
+    the strided slice for which CPU matmul copies the whole lm_head) and returns exactly those rows."""
+    from transformers import DynamicCache
+
+    from entmtp.verify import forward, last_positions
+
+    assert last_positions(7, 2).tolist() == [5, 6]
+    model = tiny_model()
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    seen = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw.get("logits_to_keep")), with_kwargs=True)
+    with torch.inference_mode():
+        full, _ = forward(model, ids, DynamicCache(config=model.config))
+        last2, _ = forward(model, ids, DynamicCache(config=model.config), logits_to_keep=2)
+        one, _ = forward(model, ids[:, :1], DynamicCache(config=model.config), logits_to_keep=1)
+    hook.remove()
+    assert last2.shape == (2, 64) and torch.allclose(last2, full[-2:], atol=1e-6)
+    assert one.shape == (1, 64)
+    assert isinstance(seen[1], torch.Tensor) and seen[1].tolist() == [7, 8]
+    assert seen[2] == 1  # a one-token input keeps the int (its slice is already contiguous)
