@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the embedded artefacts: the trained heads (assets/heads/), the calibrated trees and
-# entropy banks (trees/), and the benchmark tables of README.md. CPU, about 8.5 h on 2 cores.
+# entropy banks (trees/), and the benchmark tables of README.md. CPU, about 7.5 h on 2 cores.
 # Run inside the project environment (bash run.sh install; . .venv/bin/activate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,20 +65,6 @@ rm -rf runs/heads-v4-hydrapp && cp -r assets/heads/smollm2-135m-hydrapp runs/hea
 train_heads --data runs/train_prompts_v6.jsonl --init-from runs/heads-v4-hydrapp --heads hydra++ --num-layers 1 \
   --max-steps 1500 --lr 3e-4 --eval-every 500 --out runs/heads-v6
 rm -rf assets/heads/smollm2-135m-hydrapp && cp -r runs/heads-v6/smollm2-135m-hydrapp assets/heads/
-
-#    Stage e (the shipped Hydra++ heads, v7): v6 trained on for 1500 steps (lr 3e-4) on stage d's 7000
-#    prompts plus 2784 new, more varied ones (seed 3; only exact repeats of earlier training prompts
-#    dropped, at most 450 per category, so summarization, code and translation templates reappear
-#    with new fillers): the 2784 of 2946 a 32-minute self-distillation budget answered.
-python scripts/build_train_prompts.py --out runs/train_prompts_v7b.jsonl --n 8000 --seed 3 \
-  --exclude runs/calib_prompts.jsonl --dedupe-against runs/train_prompts6000.jsonl \
-  --dedupe-against runs/train_prompts_v6b.jsonl --max-per-category 450 --id-prefix s3- \
-  --only-ids assets/heads/train_prompt_ids_v7.txt
-cat runs/train_prompts_v6.jsonl runs/train_prompts_v7b.jsonl > runs/train_prompts_v7.jsonl
-rm -rf runs/heads-v6-hydrapp && cp -r assets/heads/smollm2-135m-hydrapp runs/heads-v6-hydrapp
-train_heads --data runs/train_prompts_v7.jsonl --init-from runs/heads-v6-hydrapp --heads hydra++ --num-layers 1 \
-  --max-steps 1500 --lr 3e-4 --eval-every 500 --out runs/heads-v7
-rm -rf assets/heads/smollm2-135m-hydrapp && cp -r runs/heads-v7/smollm2-135m-hydrapp assets/heads/
 
 # 3. trees and entropy banks per head kind (bfloat16 latency model; torch's default threads, as the
 #    benchmarks), then a float32 calibration of the Hydra++ heads for float32 decoding (entmtp)
