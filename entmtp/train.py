@@ -75,6 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .heads import DraftHeads, HeadsConfig, count_parameters
+from .verify import last_positions
 
 __all__ = ["TrainError", "TrainResult", "add_arguments", "build_parser", "main", "run_training",
            "KINDS", "lr_multiplier", "head_inputs"]
@@ -803,7 +804,7 @@ class _FeatureExtractor:
         kw = dict(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
         if self._logits_to_keep:
             try:
-                return self.model(**kw, logits_to_keep=1).hidden_states[-1]
+                return self.model(**kw, logits_to_keep=last_positions(ids.shape[1], 1, ids.device)).hidden_states[-1]
             except TypeError:
                 self._logits_to_keep = False
         return self.model(**kw).hidden_states[-1]
