@@ -218,7 +218,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
           f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']}.",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
-          + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}.", "",
+          + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.", "",
           table, *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
     fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
@@ -294,7 +294,8 @@ def cmd_bench(args) -> int:
             "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
             "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "lookup": {m: method_lookup(m, args) for m in methods if m not in ("hf", "pld")},
-            "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full"}
+            "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
+            "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)"}
     write_reports(Path(args.out), runs, summary, methods, meta)
     print(file=sys.stderr)
     print(markdown_table(summary, methods))

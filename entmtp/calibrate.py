@@ -1096,7 +1096,7 @@ def machine_info() -> dict:
 
 def latency_key(engine: Engine, heads: str) -> dict:
     """What a cached latency model depends on: the architecture (config, not the path or the
-    weights), device, dtype, the heads' shape and the CPU threads."""
+    weights), device, dtype, the heads' shape, the CPU threads and the decoding kernels."""
     from .models import describe_model
 
     info = describe_model(engine.model)
@@ -1107,7 +1107,8 @@ def latency_key(engine: Engine, heads: str) -> dict:
     return {"model": info.get("name"), "architecture": info.get("architecture"), "n_params": info.get("n_params"),
             "model_config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,
-            "threads": torch.get_num_threads() if engine.device.type == "cpu" else None, "torch": torch.__version__}
+            "threads": torch.get_num_threads() if engine.device.type == "cpu" else None, "torch": torch.__version__,
+            "kernels": [getattr(engine, "kernels", "stock"), getattr(engine.runners[heads], "kernels", "stock")]}
 
 
 def latency_cache_path(engine: Engine, heads: str) -> Path:

@@ -51,6 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large base across GPUs (accelerate)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "packed", "stock"],
+                   help="our decoding's linear kernels: packed = bf16 weights prepacked for oneDNN on CPU "
+                        "(bit-identical to stock, faster); auto = packed where exact (CPU, bfloat16), else stock")
 
 
 HYDRA_FAMILY = ("hydra++", "hydra")  # best first: entmtp and dynamic use the best one available
@@ -99,8 +102,13 @@ def load_engine_for(args, methods: list[str]):
         if wanted and base != "default":
             raise CLIError(f"--model {base} has no embedded heads: pass --heads PATH_OR_ID")
         heads = {h: h for h in sorted(wanted)}
-    return load_engine(base, heads, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                       progress=lambda s: print(s, file=sys.stderr))
+    try:
+        return load_engine(base, heads, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                           kernels=getattr(args, "kernels", "auto"), progress=lambda s: print(s, file=sys.stderr))
+    except ValueError as e:
+        if "packed kernels" in str(e):
+            raise CLIError(str(e)) from None
+        raise
 
 
 def default_tree(engine, heads_name: str):

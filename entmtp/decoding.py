@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
+from .kernels import decode_model
 from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
@@ -76,11 +77,16 @@ class Engine:
     """A base model plus named draft heads ("medusa", "hydra", "hydra++", ...)."""
 
     def __init__(self, model, tokenizer=None, heads: Optional[dict[str, DraftHeads]] = None,
-                 screened_head: bool = True):
+                 screened_head: bool = True, kernels: str = "auto"):
         """screened_head: on a CPU with bf16 units, verify float32 greedy steps with the exact
-        screened lm_head (`verify.ScreenedGreedyHead`) where it applies to this model."""
+        screened lm_head (`verify.ScreenedGreedyHead`) where it applies to this model.
+        kernels: "auto" | "packed" | "stock": decode with a twin of the model whose bf16 linears
+        are prepacked (`kernels.decode_model`: bit-identical, faster on CPU); `self.model`
+        itself stays stock (transformers' `generate`, training and calibration use it)."""
         check_tree_support(model)
         self.model = model.eval()
+        self.kernels_policy = kernels
+        self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, kernels)
         self.tokenizer = tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -97,7 +103,7 @@ class Engine:
             raise ValueError(f"heads {name!r} were built for hidden size {cfg.hidden_size}, the model has {emb.shape[1]}")
         if cfg.vocab_size != self.model.get_output_embeddings().weight.shape[0]:
             raise ValueError(f"heads {name!r} were built for vocab size {cfg.vocab_size}, the model has {self.model.get_output_embeddings().weight.shape[0]}")
-        self.runners[name] = HeadRunner(heads, self.model)
+        self.runners[name] = HeadRunner(heads, self.model, kernels=self.kernels_policy)
 
     def eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -189,7 +195,7 @@ class Generation:
     def _prefill(self) -> None:
         t0 = time.perf_counter()
         self._t_start = t0
-        m = self.engine.model
+        m = self.engine.decode_model
         self.cache = DynamicCache(config=m.config)
         ids = torch.tensor([self.prompt], device=self.device)
         need_hidden = self.runner is not None
@@ -270,7 +276,7 @@ class Generation:
         return d.tree, reason, d.draft
 
     def _step(self) -> Step:
-        cfg, dev, m = self.config, self.device, self.engine.model
+        cfg, dev, m = self.config, self.device, self.engine.decode_model
         t0 = time.perf_counter()
         remaining = cfg.max_new_tokens - len(self.tokens)
         room = self.engine.max_context - self.past

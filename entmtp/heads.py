@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels import can_pack, packed_twin
 from .trees import Tree
 from .verify import fast_bf16_matmul
 
@@ -340,7 +341,10 @@ class HeadRunner:
     (`draft_dtype="auto"`): the same drafts up to near-ties, at a fraction of the cost.
     """
 
-    def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto"):
+    def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto",
+                 kernels: str = "auto"):
+        """kernels: "auto"/"packed" run the heads' bf16 linears prepacked on CPU where exact
+        (`entmtp.kernels`; drafts are then bit-identical to the stock ones), "stock" never."""
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
@@ -358,6 +362,19 @@ class HeadRunner:
         if heads.lm_heads is None:
             w = lm if dv is None else lm.index_select(0, self.draft_vocab).contiguous()
             self.lm_weight = w if w.dtype == self.dtype else w.detach().to(self.dtype)
+        # what drafting runs: the heads and the shared lm_head, prepacked where that is exact
+        self.compute, self.kernels = self.heads, "stock"
+        self.lm = None
+        if self.lm_weight is not None:
+            self.lm = nn.Linear(self.lm_weight.shape[1], self.lm_weight.shape[0], bias=False, device="meta")
+            self.lm.weight = nn.Parameter(self.lm_weight.detach(), requires_grad=False)  # shared, not copied
+        if kernels != "stock" and can_pack(self.heads) is None:
+            try:
+                self.compute = packed_twin(self.heads)
+                self.lm = packed_twin(self.lm) if self.lm is not None else None
+                self.kernels = "packed"
+            except ValueError:
+                self.compute, self.kernels = self.heads, "stock"
 
     @property
     def label(self) -> str:
@@ -369,17 +386,23 @@ class HeadRunner:
         Returns (prefix state or None, the feature h_t the heads read for the last position [h]).
         """
         hidden = hidden.to(self.dtype)
-        if self.heads.prefix is None:
+        if self.compute.prefix is None:
             return None, hidden[-1]
         state = PrefixState()
-        out = self.heads.prefix(hidden[None], state)
+        out = self.compute.prefix(hidden[None], state)
         return state, out[0, -1]
 
     def advance(self, state: Optional[PrefixState], hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Feed newly accepted base hidden states [a, h]; returns the new head feature [h]."""
         if state is None:
             return last.to(self.dtype)
-        return self.heads.prefix(hidden.to(self.dtype)[None], state)[0, -1]
+        return self.compute.prefix(hidden.to(self.dtype)[None], state)[0, -1]
+
+    def head_logits(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """Head k's draft logits. x [R, in_k] -> [R, V_draft] (`DraftHeads.head_logits`, on the
+        packed kernels when the runner has them)."""
+        z = self.compute.head_hidden(k, x)
+        return self.compute.lm_heads[k](z) if self.lm is None else self.lm(z)
 
     def _map(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.draft_vocab is None else self.draft_vocab[idx]
@@ -408,7 +431,7 @@ class HeadRunner:
         if self.config.kind == "medusa":
             x = feature[None]
             for d in range(1, D + 1):
-                logits = first_logits if d == 1 and first_logits is not None else self.heads.head_logits(d - 1, x, self.lm_weight)[0]
+                logits = first_logits if d == 1 and first_logits is not None else self.head_logits(d - 1, x)[0]
                 top = torch.topk(logits, buf.level_topk[d])
                 nodes, ranks = buf.level_nodes[d], buf.level_ranks[d]
                 tokens[nodes] = self._map(top.indices[ranks])
@@ -423,7 +446,7 @@ class HeadRunner:
             if d == 1 and first_logits is not None:
                 logits = first_logits[None]
             else:
-                logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd]
+                logits = self.head_logits(d - 1, rows)  # [R, Vd]
             top = torch.topk(logits, buf.level_topk[d], dim=-1)
             nodes, prow, ranks = buf.level_nodes[d], buf.level_parent_row[d], buf.level_ranks[d]
             idx = top.indices[prow, ranks]  # [m_d]
@@ -455,7 +478,7 @@ class HeadRunner:
         parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
         for d in range(1, D + 1):
-            logits = self.heads.head_logits(d - 1, rows, self.lm_weight)  # [R, Vd] (R = 1 for Medusa)
+            logits = self.head_logits(d - 1, rows)  # [R, Vd] (R = 1 for Medusa)
             lp = torch.log_softmax(logits.float(), -1)
             ent = (-(lp.exp() * lp).sum(-1)).tolist()
             top = torch.topk(lp, topk, dim=-1)
@@ -492,7 +515,7 @@ class HeadRunner:
     def first_level(self, feature: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """Head 0's draft logits at the root [V_draft] (a scheduler signal of this step)."""
         x = feature[None] if self.config.kind == "medusa" else torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]
-        return self.heads.head_logits(0, x, self.lm_weight)[0]
+        return self.head_logits(0, x)[0]
 
     def to_full_vocab(self, idx: torch.Tensor) -> torch.Tensor:
         return self._map(idx)

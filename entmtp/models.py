@@ -698,11 +698,12 @@ def resolve_heads_dir(spec: str | os.PathLike) -> Path:
 
 def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, dtype: Any = "float32",
                 device: Any = "cpu", device_map: Any = None, attn_implementation: str | None = "sdpa",
-                progress: Callable[[str], Any] | None = print):
+                kernels: str = "auto", progress: Callable[[str], Any] | None = print):
     """Load a base model and named head checkpoints into an `Engine`.
 
     heads maps a name ("medusa", "hydra", "hydra++" or any label) to a directory, repo id or
     default kind. For base "default" with heads None, every embedded head set that exists is loaded.
+    kernels: the Engine's decoding kernels ("auto", "packed", "stock"; see `entmtp.kernels`).
     """
     from .checkpoints import load_heads
     from .decoding import Engine
@@ -714,4 +715,4 @@ def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, d
         if str(base).lower() == "default":
             heads = {k: k for k in HEAD_KINDS if (DEFAULT_HEADS_DIR / HEAD_KINDS[k]).is_dir()}
     loaded = {name: load_heads(resolve_heads_dir(spec), base_config=model.config) for name, spec in heads.items()}
-    return Engine(model, tokenizer, loaded)
+    return Engine(model, tokenizer, loaded, kernels=kernels)

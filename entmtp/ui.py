@@ -658,7 +658,8 @@ def model_info_md(entry: LoadedModel) -> str:
     bad = [(m, r) for m, r in st.items() if r is not None]
     n = d.get("n_params") or 0
     lines = [f"<b>{html.escape(entry.label)}</b> · {html.escape(str(d.get('family')))} · {n / 1e6:.0f}M parameters · "
-             f"{html.escape(str(d.get('dtype')))} on {html.escape(str(d.get('device')))} · context {entry.engine.max_context}",
+             f"{html.escape(str(d.get('dtype')))} on {html.escape(str(d.get('device')))} · context {entry.engine.max_context}"
+             f" · {html.escape(getattr(entry.engine, 'kernels', 'stock'))} kernels",
              "available: " + ", ".join(ok)]
     if bad:
         lines.append("unavailable: " + "; ".join(f"<b>{m}</b> ({html.escape(r)})" for m, r in bad if m != "entmtp"

@@ -68,6 +68,7 @@ def test_generate_prints_answer_and_summary(tiny, capsys):
     (["--heads", "/nonexistent/heads"], "heads not found"),
     (["--tree", "chain_5"], "exceeds the 4 draft heads"),
     (["--temperature", "-1"], "temperature"),
+    (["--kernels", "packed"], "packed kernels are exact only in bfloat16"),  # the tiny base is float32
 ])
 def test_errors_are_one_line(tiny, capsys, extra, needle):
     args = ["generate", "--base", str(tiny / "base"), "--method", "hydra", "hello", "--max-new-tokens", "4"]
@@ -106,3 +107,20 @@ def test_python_dash_m_entry_point(tiny):
                         "hello", "--max-new-tokens", "5", "--json"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["tokens"]) <= 5
+
+
+def test_bf16_generation_is_the_same_with_packed_or_stock_kernels(tiny, capsys):
+    from entmtp.kernels import can_pack
+    from conftest import tiny_model
+
+    why = can_pack(tiny_model("llama", dtype=__import__("torch").bfloat16))
+    if why:
+        pytest.skip(why)
+    base = ["generate", "--base", str(tiny / "base"), "--heads", str(tiny / "hydra"), "--dtype", "bfloat16",
+            "hello world", "--max-new-tokens", "16", "--json"]
+    outs = []
+    for k in ("packed", "stock"):
+        code, out, err = run(capsys, *base, "--kernels", k)
+        assert code == 0, err
+        outs.append(json.loads(out)["tokens"])
+    assert outs[0] == outs[1] and len(outs[0]) == 16

@@ -1,0 +1,115 @@
+"""Prepacked CPU linears: bit-identical to the stock kernels, a twin that leaves the model alone."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import random_heads, tiny_model
+from entmtp import kernels
+from entmtp.decoding import DecodeConfig, Engine
+from entmtp.trees import resolve_tree
+
+bf16_model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
+needs_pack = pytest.mark.skipif(kernels.can_pack(bf16_model) is not None,
+                                reason=f"no packed kernels here: {kernels.can_pack(bf16_model)}")
+
+
+@needs_pack
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (7, 5), (1, 9, 5), (2, 3, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear_bitwise(shape, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 11, bias=bias).to(torch.bfloat16)
+    packed = kernels.PackedLinear(lin)
+    x = torch.randn(*shape).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = packed(x)
+    assert y.shape == (*shape[:-1], 11)
+    assert torch.equal(y, lin(x))
+    assert packed.weight is lin.weight and packed.bias is lin.bias
+
+
+@needs_pack
+def test_twin_is_exact_shares_weights_and_leaves_the_model_alone():
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=3)
+    twin = kernels.packed_twin(model)
+    assert all(type(m) is not kernels.PackedLinear for m in model.modules())  # the model is stock
+    n_lin = sum(type(m) is nn.Linear for m in model.modules())
+    assert n_lin > 0 and sum(type(m) is kernels.PackedLinear for m in twin.modules()) == n_lin
+    # every parameter is shared, none copied
+    assert {p.data_ptr() for p in twin.parameters()} == {p.data_ptr() for p in model.parameters()}
+    calls = []
+    h = model.register_forward_pre_hook(lambda *_: calls.append(1))  # hooks on the model stay on the model
+    ids = torch.randint(2, 96, (1, 13))
+    with torch.inference_mode():
+        a = model(ids, output_hidden_states=True)
+        n_model = len(calls)
+        b = twin(ids, output_hidden_states=True)
+    h.remove()
+    assert n_model == 1 and len(calls) == 1
+    assert torch.equal(a.logits, b.logits)
+    assert len(b.hidden_states) == len(a.hidden_states) and torch.equal(a.hidden_states[-1], b.hidden_states[-1])
+
+
+def test_policies_and_refusals():
+    fp32 = tiny_model("llama")
+    m, name, why = kernels.decode_model(fp32, "auto")
+    assert m is fp32 and name == "stock" and "bfloat16" in why  # float32 never packs: exact identity with generate
+    with pytest.raises(ValueError, match="cannot use packed kernels: .*bfloat16"):
+        kernels.decode_model(fp32, "packed")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels.decode_model(fp32, "fast")
+    assert kernels.decode_model(bf16_model, "stock")[:2] == (bf16_model, "stock")
+
+
+@needs_pack
+def test_auto_packs_small_bf16_models_and_respects_the_memory_cap(monkeypatch):
+    m, name, _ = kernels.decode_model(bf16_model, "auto")
+    assert name == "packed" and m is not bf16_model
+    monkeypatch.setattr(kernels, "AUTO_MAX_BYTES", kernels.linear_bytes(bf16_model) - 1)
+    m, name, why = kernels.decode_model(bf16_model, "auto")
+    assert m is bf16_model and name == "stock" and "--kernels packed" in why
+    assert kernels.decode_model(bf16_model, "packed")[1] == "packed"  # asked for: packs anyway
+
+
+@needs_pack
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_engine_decodes_the_same_tokens_with_either_kernels(lookup):
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
+    heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
+    packed, stock = Engine(model, None, heads, kernels="packed"), Engine(model, None, heads, kernels="stock")
+    assert (packed.kernels, stock.kernels) == ("packed", "stock") and stock.decode_model is model
+    tree = resolve_tree("mc_sim_7b_63").truncated(4)
+    cfg = DecodeConfig(max_new_tokens=40, lookup=lookup, eos_token_ids=())
+    for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
+        a = packed.run(prompt, heads="hydra", tree=tree, config=cfg)
+        b = stock.run(prompt, heads="hydra", tree=tree, config=cfg)
+        assert a.tokens == b.tokens and len(a.tokens) == 40
+        assert [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
+        assert packed.run(prompt, config=cfg).tokens == stock.run(prompt, config=cfg).tokens
+
+
+@needs_pack
+@pytest.mark.parametrize("kind,prefix", [("hydra", True), ("hydra", False), ("medusa", False)])
+def test_packed_heads_draft_the_same_tokens(kind, prefix):
+    from entmtp.heads import HeadRunner
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=7)
+    heads = random_heads(model, kind, num_heads=3, prefix=prefix)
+    packed, stock = HeadRunner(heads, model, kernels="auto"), HeadRunner(heads, model, kernels="stock")
+    assert (packed.kernels, stock.kernels) == ("packed", "stock")
+    assert all(type(m) is not kernels.PackedLinear for m in heads.modules())  # the heads stay stock
+    tree = resolve_tree("mc_sim_7b_63").truncated(3)
+    hidden = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        (sa, fa), (sb, fb) = packed.start(hidden), stock.start(hidden)
+        assert torch.equal(fa, fb)
+        root = torch.tensor(17)
+        da = packed.draft(tree, fa, root, with_stats=True)
+        db = stock.draft(tree, fb, root, with_stats=True)
+        assert torch.equal(da.tokens, db.tokens)
+        torch.testing.assert_close(da.probs, db.probs, rtol=0, atol=0, equal_nan=True)  # the root's is nan
+        assert torch.equal(packed.first_level(fa, root), stock.first_level(fb, root))
+        if prefix:
+            more = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+            assert torch.equal(packed.advance(sa, more, more[-1]), stock.advance(sb, more, more[-1]))
