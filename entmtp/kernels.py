@@ -32,6 +32,33 @@ KERNELS = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
 
+def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """weight [out, in] bf16 on CPU -> its oneDNN-prepacked copy, or None when that is not
+    available here or not bit-identical to `F.linear` on a random probe."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return None
+    w = weight.detach()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        g = torch.Generator().manual_seed(0)
+        for r in (1, 7):
+            x = torch.randn(r, w.shape[1], generator=g).to(w.dtype)
+            if not torch.equal(packed_linear(x, packed, w.shape[0]), nn.functional.linear(x, w)):
+                return None
+    except RuntimeError:
+        return None
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias) with W prepacked by `packed_weight` -> [..., out]."""
+    lead = x.shape[:-1]
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.reshape(*lead, out_features)
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose weight is also kept prepacked for oneDNN. x [..., in] -> [..., out].
 
@@ -45,9 +72,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
-        return y.reshape(*lead, self.out_features)
+        return packed_linear(x, self.packed, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -143,4 +168,4 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return model, "stock", why
 
 
-__all__ = ["KERNELS", "PackedLinear", "can_pack", "linear_bytes", "packed_twin", "decode_model"]
+__all__ = ["KERNELS", "PackedLinear", "packed_weight", "packed_linear", "can_pack", "linear_bytes", "packed_twin", "decode_model"]

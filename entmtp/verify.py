@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .kernels import packed_linear, packed_weight
+
 
 class UnsupportedModelError(RuntimeError):
     """The model cannot verify a tree exactly (sliding-window attention, flex attention, ...)."""
@@ -136,6 +138,7 @@ class ScreenedGreedyHead:
         self.weight = weight  # [V, h] float32 (shared with the model, not copied)
         self.bias = bias
         self.weight_bf16 = weight.detach().to(torch.bfloat16)
+        self.packed_bf16 = packed_weight(self.weight_bf16)  # same products, no per-call relayout (entmtp.kernels)
         self.row_norms = weight.detach().float().norm(dim=1)  # [V]
         h = weight.shape[1]
         self.rel = 1.01 * (2 * self.U + self.U ** 2 + (h + 8) * 2.0 ** -24)
@@ -169,7 +172,11 @@ class ScreenedGreedyHead:
 
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [n, h] fp32 -> (bf16 logits as fp32 [n, V], candidate mask [n, V])."""
-        s = (hidden.to(torch.bfloat16) @ self.weight_bf16.T).float()
+        x = hidden.to(torch.bfloat16)
+        if self.packed_bf16 is not None:
+            s = packed_linear(x, self.packed_bf16, self.weight_bf16.shape[0]).float()
+        else:
+            s = (x @ self.weight_bf16.T).float()
         if self.bias is not None:
             s += self.bias
         bound = (self.rel * hidden.norm(dim=1, keepdim=True)) * self.row_norms[None] + (2 * self.U) * s.abs() + 1e-6

@@ -113,3 +113,23 @@ def test_packed_heads_draft_the_same_tokens(kind, prefix):
         if prefix:
             more = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
             assert torch.equal(packed.advance(sa, more, more[-1]), stock.advance(sb, more, more[-1]))
+
+
+def test_packed_weight_only_where_exact_and_the_screen_uses_it():
+    from entmtp.kernels import packed_linear, packed_weight
+    from entmtp.verify import ScreenedGreedyHead
+
+    w32 = torch.randn(40, 12)
+    assert packed_weight(w32) is None  # float32: never
+    if kernels.can_pack(bf16_model) is not None:
+        pytest.skip("no packed kernels here")
+    w = w32.to(torch.bfloat16)
+    p = packed_weight(w)
+    assert p is not None
+    x = torch.randn(3, 2, 12).to(torch.bfloat16)
+    assert torch.equal(packed_linear(x, p, 40), x @ w.T)
+    head = ScreenedGreedyHead(w32 * 3)
+    assert head.packed_bf16 is not None
+    h = torch.randn(5, 12)
+    targets, _ = head.targets(h)
+    assert targets == (h @ (w32 * 3).T).argmax(1).tolist()
