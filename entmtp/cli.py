@@ -102,13 +102,9 @@ def load_engine_for(args, methods: list[str]):
         if wanted and base != "default":
             raise CLIError(f"--model {base} has no embedded heads: pass --heads PATH_OR_ID")
         heads = {h: h for h in sorted(wanted)}
-    try:
-        return load_engine(base, heads, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                           kernels=getattr(args, "kernels", "auto"), progress=lambda s: print(s, file=sys.stderr))
-    except ValueError as e:
-        if "packed kernels" in str(e):
-            raise CLIError(str(e)) from None
-        raise
+    # a refused --kernels packed is a ValueError: one `error:` line like every user error
+    return load_engine(base, heads, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                       kernels=getattr(args, "kernels", "auto"), progress=lambda s: print(s, file=sys.stderr))
 
 
 def default_tree(engine, heads_name: str):

@@ -6,9 +6,8 @@ layer's weight is read, rewritten and read again. For the small row counts of de
 (1 token, or a draft tree of 4-32) that relayout is most of the cost. Packing each weight
 once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does) and
 calling the prepacked kernel runs the very same arithmetic on the prepared layout: on our
-2-core AVX-512-bf16 CPU the 30 layers' linears of SmolLM2-135M take 13.5 ms instead of 20 ms
-for 1 row and 15 ms instead of 25 ms for 9 rows, and the 49152 x 576 lm_head 2.4 ms instead of
-4.7 ms for 9 rows.
+2-core AVX-512-bf16 CPU all 211 linears of SmolLM2-135M take 16.5 ms instead of 23.4 ms for
+1 row and 17.8 ms instead of 29.4 ms for 9 rows (`python scripts/bench_kernels.py`).
 
 It is used only where it is exact: `packed_twin` probes every packed layer with its real
 weight and falls back to the stock model unless every probe is bit-identical to `F.linear`
@@ -32,23 +31,33 @@ KERNELS = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
 
+def _has_packed_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _exact(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           rows: tuple[int, ...] = (1, 7)) -> bool:
+    """Whether the prepacked weight reproduces F.linear(x, weight, bias) bit for bit on random inputs."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for r in rows:
+            x = torch.randn(r, weight.shape[1], generator=g).to(weight.dtype)
+            if not torch.equal(packed_linear(x, packed, weight.shape[0], bias), nn.functional.linear(x, weight, bias)):
+                return False
+    return True
+
+
 def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """weight [out, in] bf16 on CPU -> its oneDNN-prepacked copy, or None when that is not
     available here or not bit-identical to `F.linear` on a random probe."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() \
-            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _has_packed_linear():
         return None
     w = weight.detach()
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        g = torch.Generator().manual_seed(0)
-        for r in (1, 7):
-            x = torch.randn(r, w.shape[1], generator=g).to(w.dtype)
-            if not torch.equal(packed_linear(x, packed, w.shape[0]), nn.functional.linear(x, w)):
-                return None
+        return packed if _exact(packed, w) else None
     except RuntimeError:
         return None
-    return packed
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -87,7 +96,7 @@ def can_pack(model: nn.Module) -> Optional[str]:
         return f"packed kernels are for CPU models (this one is on {p.device.type})"
     if p.dtype != torch.bfloat16:
         return f"packed kernels are exact only in bfloat16 (this model is {str(p.dtype).removeprefix('torch.')})"
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not _has_packed_linear():
         return "this torch build has no oneDNN prepacked linear"
     return None
 
@@ -101,16 +110,6 @@ def linear_bytes(model: nn.Module) -> int:
     """Bytes of the weights `packed_twin` would pack (the extra memory the twin needs)."""
     seen = {id(m.weight): m.weight for m in _linears(model)}
     return sum(w.numel() * w.element_size() for w in seen.values())
-
-
-def _exact(layer: PackedLinear, rows: tuple[int, ...] = (1, 7)) -> bool:
-    """Whether the packed layer reproduces F.linear bit for bit on random inputs of its real weight."""
-    g = torch.Generator().manual_seed(0)
-    for r in rows:
-        x = torch.randn(r, layer.in_features, generator=g).to(layer.weight.dtype)
-        if not torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias)):
-            return False
-    return True
 
 
 def packed_twin(model: nn.Module) -> nn.Module:
@@ -129,9 +128,8 @@ def packed_twin(model: nn.Module) -> nn.Module:
             return memo[id(mod)]
         if type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16:
             new: nn.Module = PackedLinear(mod)
-            with torch.no_grad():
-                if not _exact(new):
-                    raise ValueError(f"the packed kernel is not bit-identical to F.linear here ({mod.in_features}x{mod.out_features})")
+            if not _exact(new.packed, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
+                raise ValueError(f"the packed kernel is not bit-identical to F.linear here ({mod.in_features}x{mod.out_features})")
         else:
             new = copy.copy(mod)
             # own tables (a shallow copy would share them), same tensors and hook functions:
@@ -156,8 +154,9 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     if kernels == "stock":
         return model, "stock", "asked for the stock kernels"
     why = can_pack(model)
-    if why is None and kernels == "auto" and linear_bytes(model) > AUTO_MAX_BYTES:
-        why = f"the packed copies would need {linear_bytes(model) / 2**30:.1f} GiB more memory (auto packs up to {AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels packed)"
+    extra = linear_bytes(model) if why is None and kernels == "auto" else 0
+    if extra > AUTO_MAX_BYTES:
+        why = f"the packed copies would need {extra / 2**30:.1f} GiB more memory (auto packs up to {AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels packed)"
     if why is None:
         try:
             return packed_twin(model), "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
