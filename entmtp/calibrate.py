@@ -24,8 +24,9 @@ Every record (`StepRecord`) also carries the scheduler signals of a step startin
 entropy-aware scheduler's tables.
 
 Latency model (`measure_latency`): one decoding step's draft + verify + bookkeeping time,
-measured with the real engine and heads for trees of several sizes and depths (all in one
-generation, round-robin), cached per model, device, dtype and heads (`latency_cache_path`).
+measured with the real engine and heads for trees of every size up to 16 nodes (then a coarse
+grid; `size_grid`) and every depth (all in one generation, round-robin), cached per model,
+device, dtype and heads (`latency_cache_path`).
 `LatencyModel.cost(n, depth)` interpolates it.
 
 Library API (used by `entmtp.search`, the CLI and the app)::
@@ -64,6 +65,9 @@ from .verify import last_positions
 
 STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
+# How steps are timed (bump when `measure_latency` changes what it measures; older caches are
+# measured again): 2 = warm step before each timed one, context window, dense size grid.
+LATENCY_PROTOCOL = 2
 
 # Bounds on the expensive parameters (the app passes user input straight through).
 MAX_UNION_NODES = 512
@@ -1024,6 +1028,12 @@ class LatencyModel:
     def depths(self) -> list[int]:
         return sorted(self.points)
 
+    def covers(self, sizes: Sequence[int], depths: Sequence[int]) -> bool:
+        """Whether every depth was measured at every size it can have (n >= depth): a model
+        from a coarser grid (an older cache) does not cover a dense one."""
+        have = {(n, d) for d, pts in self.points.items() for n, _ in pts}
+        return set(latency_jobs(sizes, depths)) <= have
+
     def cost(self, n_nodes: int, depth: int) -> float:
         if n_nodes <= 0 or not self._fit:
             return self.baseline_s
@@ -1067,6 +1077,13 @@ def tree_capacity(depth: int, max_rank: int = 10) -> int:
     return sum(max_rank ** k for k in range(1, depth + 1))
 
 
+def latency_jobs(sizes: Sequence[int], depths: Sequence[int], max_rank: int = 16) -> list[tuple[int, int]]:
+    """The (n_nodes, depth) points a latency model measures: every size a tree of that depth
+    can have (ranks < max_rank), plus the chain of each depth; sorted by depth, then size."""
+    jobs = {(n, d) for d in depths for n in sizes if d <= n <= tree_capacity(d, max_rank)} | {(d, d) for d in depths}
+    return sorted(jobs, key=lambda x: (x[1], x[0]))
+
+
 def representative_tree(n_nodes: int, depth: int, max_rank: int = 16) -> Tree:
     """A typical tree of `n_nodes` nodes and exactly `depth` levels (n_nodes >= depth): the
     top-1 chain plus the nodes of highest prior value -- what searched trees look like."""
@@ -1076,9 +1093,21 @@ def representative_tree(n_nodes: int, depth: int, max_rank: int = 16) -> Tree:
     return Tree.from_paths(expand_by_value(prior_value, n_nodes, depth, max_rank, start=chain), f"rep_n{n_nodes}_d{depth}")
 
 
+DENSE_SIZES = 16  # every tree size up to this is measured
+
+
 def size_grid(max_nodes: int) -> list[int]:
-    base = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    return sorted({n for n in base if n <= max_nodes} | {max_nodes})
+    """Tree sizes the latency model measures: every size up to `DENSE_SIZES`, then a coarse grid.
+
+    Dense where the searched trees live, because step time is not smooth there: matrix
+    kernels block the rows (tree nodes + root), so one more node can cross a block edge. On
+    the 2-core AVX-512 CPU of docs/bench, 5 -> 6 nodes (6 -> 7 rows) costs 2-5 ms of a 33 ms
+    step while 4 -> 5 costs under 1 ms; a grid of 4, 6, 8 interpolated the edge away and the
+    search chose 6-node trees a 5-node tree beat on every held-out measurement.
+    """
+    coarse = [24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    dense = range(1, min(DENSE_SIZES, max_nodes) + 1)
+    return sorted({*dense, *(n for n in coarse if n <= max_nodes), max_nodes})
 
 
 def _slug(s: str) -> str:
@@ -1145,57 +1174,71 @@ class _Cycle(Scheduler):
         return Decision(self.bank[j])
 
 
+LATENCY_WINDOW = 128  # most tokens one measuring generation adds to its context before a new prefill
+
+
 def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequence: list[int],
                  ids: list[int], progress: Callable[[int], Any]) -> dict[int, list[float]]:
     """Step times of the trees `bank[j]` for j in `sequence`, in that order, in as few
-    generations (prefills) as the context allows. Returns {j: [seconds, ...]}."""
+    generations (prefills) as the context allows. Returns {j: [seconds, ...]}.
+
+    Two things keep the measurement close to what decoding pays (both measured on the 2-core
+    CPU of docs/bench, where together they had inflated a 64-node step from 90 to 125 ms and a
+    5-node step from 33 to 37 ms):
+    * each timed step comes right after an untimed step of the same tree: kernels keep
+      per-shape state (oneDNN primitives per row count) that a round-robin over ~90 tree sizes
+      evicts, while decoding reuses a few sizes;
+    * a generation adds at most `LATENCY_WINDOW` tokens before the next prefill: step time
+      grows with the context (a 33-row step: 58 ms at 100 tokens, 98 ms at 1,000), and one long
+      generation would measure the later trees at ever longer contexts."""
     times: dict[int, list[float]] = {}
     todo = list(sequence)
     max_size = max(t.size for t in bank)
     while todo:
         room = engine.max_context - len(ids) - max_size - 2
         per_step = max(t.depth for t in bank) + 1
-        n = max(1, min(len(todo), room // per_step))
-        if room < per_step:
+        n = max(1, min(len(todo), min(room, LATENCY_WINDOW) // (2 * per_step)))
+        if room < 2 * per_step:
             raise ValueError("the model's context is too short for the latency measurement")
         chunk, todo = todo[:n], todo[n:]
-        cfg = DecodeConfig(max_new_tokens=(n + 1) * per_step + 1, eos_token_ids=())
+        plan = [j for j in chunk for _ in (0, 1)]  # (warm, timed) per tree
+        cfg = DecodeConfig(max_new_tokens=(len(plan) + 1) * per_step + 1, eos_token_ids=())
         if heads is None:
             gen = engine.generate(ids, config=cfg)
-            sched = None
         else:
-            sched = _Cycle(bank, [chunk[0]] + chunk)  # the first step warms up (not timed)
-            gen = engine.generate(ids, heads=heads, scheduler=sched, config=cfg)
+            gen = engine.generate(ids, heads=heads, scheduler=_Cycle(bank, plan), config=cfg)
         k = -1
         for step in gen:
             if step.time_verify <= 0:
                 continue
             k += 1
-            if k == 0:
+            if k % 2 == 0:  # the warm step
                 continue
-            if k > len(chunk):
-                break
-            j = chunk[k - 1]
+            j = plan[k]
             if heads is None or step.n_nodes == bank[j].n_nodes:
                 times.setdefault(j, []).append(step.time_total)
             progress(1)
+            if k == len(plan) - 1:
+                break
         else:
-            if k < len(chunk):  # ended early (should not happen without EOS); retry the rest
-                if k <= 0:
+            if k < len(plan) - 1:  # ended early (should not happen without EOS); retry the rest
+                done = (k + 1) // 2
+                if done <= 0:
                     raise ValueError("the latency measurement made no progress (context too short?)")
-                todo = chunk[k:] + todo
+                todo = chunk[done:] + todo
     return times
 
 
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
-                    context_tokens: int = 128, repeats: int = 3, progress: Optional[Progress] = None) -> LatencyModel:
+                    context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None) -> LatencyModel:
     """Measure one decoding step's time (draft + verify + bookkeeping, median of `repeats`)
     with the real engine and heads, for representative trees of every size in `sizes`
     (default `size_grid`) at every depth in `depths` (default 1..num_heads), plus a root-only
     (plain decoding) step. All trees run round-robin inside one generation per round (one
     prefill), on a context of `context_tokens` random tokens or the given `context_ids`, so
-    drift in machine load hits every size alike."""
+    drift in machine load hits every size alike; each timed step follows an untimed step of
+    the same tree (`_cycle_times`: per-shape kernel state is warm, as in decoding)."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:
@@ -1213,8 +1256,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         context_ids = torch.randint(2, max(3, vocab), (max(1, context_tokens),), generator=g).tolist()
     ctx = list(context_ids)[-max(1, min(len(context_ids), engine.max_context // 4)):]
     progress = progress or _noop
-    jobs = sorted({(n, d) for d in depths for n in sizes if d <= n <= tree_capacity(d, 16)} | {(d, d) for d in depths},
-                  key=lambda x: (x[1], x[0]))
+    jobs = latency_jobs(sizes, depths)
     bank = [representative_tree(n, d) for n, d in jobs]
     total = (len(jobs) + 1) * repeats
     done = [0]
@@ -1232,7 +1274,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     for j, (n, d) in enumerate(jobs):
         if times.get(j):
             points[d].append((n, statistics.median(times[j])))
-    meta = {"key": latency_key(engine, heads), "context_tokens": len(ctx), "repeats": repeats,
+    meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats,
             "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return LatencyModel(statistics.median(base) if base else float("nan"), points, meta)
 
@@ -1246,7 +1288,7 @@ def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, 
         try:
             lm = LatencyModel.from_json(json.loads(path.read_text()), path.name)
             K = engine.runners[heads].config.num_heads
-            if lm.max_nodes >= max_nodes and set(range(1, K + 1)) <= set(lm.depths):
+            if lm.meta.get("protocol") == LATENCY_PROTOCOL and lm.covers(size_grid(max_nodes), range(1, K + 1)):
                 lm.meta["cache_file"] = str(path)
                 lm.meta["cached"] = True
                 return lm

@@ -878,7 +878,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                held_out: float = 0.25, seed: int = 0, max_calibration: int = 200, max_eval: int = 6,
                max_held_out: int = 48,
                decompose: bool = True, latency: Optional[LatencyModel] = None, remeasure: bool = False,
-               latency_repeats: int = 3, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
+               latency_repeats: int = 5, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
                progress: Optional[Progress] = None, state=None, command: Optional[str] = None) -> Optional[SearchReport]:
     """The whole topology search (see the module docstring).
 
@@ -1110,7 +1110,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--union-nodes", type=int, default=128, help="rollout statistics: size of the union tree (+ mc_sim_7b_63)")
     p.add_argument("--union", default=None, help="rollout statistics: use this tree file as the union tree")
     p.add_argument("--remeasure", action="store_true", help="measure the latency model again instead of using the cache")
-    p.add_argument("--latency-repeats", type=int, default=3, help="timed steps per tree size in the latency model")
+    p.add_argument("--latency-repeats", type=int, default=5, help="timed steps per tree size in the latency model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -1291,7 +1291,7 @@ def load_stats_any(path: str | Path) -> CalibrationStats:
 
 def score(engine, heads: str, tree: Tree, prompts: Sequence[Any], stats: Optional[CalibrationStats] = None, *,
           rule: RuleSpec | str | None = None, max_new_tokens: int = 64, union_nodes: int = 128,
-          latency: Optional[LatencyModel] = None, remeasure: bool = False, latency_repeats: int = 3,
+          latency: Optional[LatencyModel] = None, remeasure: bool = False, latency_repeats: int = 5,
           stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
           progress: Optional[Progress] = None) -> dict:
     """Predicted (from `stats`, or from a statistics pass over `prompts` -- a rollout's union

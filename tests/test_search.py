@@ -15,7 +15,8 @@ import torch
 from conftest import random_heads, save_tiny_base, tiny_model
 from entmtp import cli
 from entmtp.calibrate import (CalibrationStats, LatencyModel, RuleSpec, StepRecord, collect_stats, expand_by_value,
-                              latency_cache_path, load_or_measure_latency, prior_value, representative_tree, union_tree)
+                              LATENCY_PROTOCOL, latency_cache_path, latency_jobs, load_or_measure_latency, prior_value, representative_tree,
+                              size_grid, union_tree)
 from entmtp.checkpoints import save_heads
 from entmtp.data import DataError
 from entmtp.decoding import DecodeConfig, Engine
@@ -371,6 +372,54 @@ def test_latency_model_fit_and_json():
     assert back.points == lm.points and back.cost(6, 1) == lm.cost(6, 1)
 
 
+def test_size_grid_is_dense_where_trees_live():
+    assert size_grid(64) == list(range(1, 17)) + [24, 32, 48, 64]
+    assert size_grid(5) == [1, 2, 3, 4, 5]
+    assert size_grid(40) == list(range(1, 17)) + [24, 32, 40]
+    # depth 1 has at most 16 nodes (ranks < 16); every deeper depth starts at its chain
+    jobs = latency_jobs(size_grid(24), [1, 3])
+    assert (16, 1) in jobs and (17, 1) not in jobs and (24, 1) not in jobs
+    assert (2, 3) not in jobs and (3, 3) in jobs and (5, 3) in jobs and (24, 3) in jobs
+    assert jobs == sorted(jobs, key=lambda x: (x[1], x[0]))
+
+
+def test_latency_model_covers():
+    lm = LatencyModel(0.01, {1: [(n, 0.01 + n * 1e-3) for n in range(1, 9)], 2: [(n, 0.02) for n in range(2, 9)]})
+    assert lm.covers(size_grid(8), [1, 2])
+    assert not lm.covers(size_grid(8), [1, 2, 3])  # a depth never measured
+    coarse = LatencyModel(0.01, {1: [(1, 0.01), (2, 0.01), (4, 0.01), (6, 0.01), (8, 0.01)]})
+    assert coarse.covers([1, 2, 4, 6, 8], [1]) and not coarse.covers(size_grid(8), [1])  # an old, coarse cache
+
+
+def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
+    """Every timed step follows an untimed step of the same tree, and a generation adds at most
+    LATENCY_WINDOW tokens before the next prefill."""
+    import entmtp.calibrate as cal
+
+    eng = engine3()
+    monkeypatch.setattr(cal, "LATENCY_WINDOW", 16)
+    gens, real = [], eng.generate
+
+    def spy(ids, **kw):
+        g = real(ids, **kw)
+        gens.append((len(ids), kw.get("scheduler"), g))
+        return g
+
+    monkeypatch.setattr(eng, "generate", spy)
+    lm = cal.measure_latency(eng, "hydra", sizes=[1, 2, 3, 4], repeats=2, context_tokens=8)
+    with_heads = [(n, s, g) for n, s, g in gens if s is not None]
+    assert len(with_heads) > 1  # the window forced several prefills
+    bank = with_heads[0][1].bank
+    timed = 0
+    for n_ctx, sched, g in with_heads:
+        used = sched.used
+        assert len(used) % 2 == 0 and used[0::2] == used[1::2]  # (warm, timed) pairs of one tree
+        timed += len(used) // 2
+        assert len(g.tokens) <= 16 + max(t.depth for t in bank) + 1
+    assert timed == sum(len(v) for v in lm.points.values()) * 2  # every (size, depth) point, twice
+    assert all(len(pts) == 4 - d + 1 for d, pts in lm.points.items())
+
+
 def test_latency_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path))
     eng = engine3()
@@ -381,6 +430,19 @@ def test_latency_measured_once_and_cached(tmp_path, monkeypatch):
     again = load_or_measure_latency(eng, "hydra", max_nodes=4)
     assert again.meta["cached"] and again.points == lm.points
     assert not load_or_measure_latency(eng, "hydra", max_nodes=4, remeasure=True, repeats=1, context_tokens=16).meta["cached"]
+    assert lm.meta["protocol"] == LATENCY_PROTOCOL
+    # a cache measured on a coarser grid (an older version: sizes 1, 2, 4) is measured again
+    coarse = LatencyModel(0.01, {d: [(n, 0.02) for n in (1, 2, 4) if n >= d] + [(d, 0.02)] for d in (1, 2, 3)},
+                          {"protocol": LATENCY_PROTOCOL})
+    path.write_text(json.dumps(coarse.to_json()))
+    fresh = load_or_measure_latency(eng, "hydra", max_nodes=4, repeats=1, context_tokens=16)
+    assert not fresh.meta["cached"] and fresh.covers(size_grid(4), [1, 2, 3])
+    # so is one timed the older way (no protocol recorded), even on the same grid
+    older = LatencyModel.from_json(fresh.to_json())
+    older.meta.pop("protocol")
+    path.write_text(json.dumps(older.to_json()))
+    assert not load_or_measure_latency(eng, "hydra", max_nodes=4, repeats=1, context_tokens=16).meta["cached"]
+    assert load_or_measure_latency(eng, "hydra", max_nodes=4).meta["cached"]
     assert latency_cache_path(eng, "medusa") != path
 
 
