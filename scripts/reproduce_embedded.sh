@@ -66,20 +66,19 @@ train_heads --data runs/train_prompts_v6.jsonl --init-from runs/heads-v4-hydrapp
   --max-steps 1500 --lr 3e-4 --eval-every 500 --out runs/heads-v6
 rm -rf assets/heads/smollm2-135m-hydrapp && cp -r runs/heads-v6/smollm2-135m-hydrapp assets/heads/
 
-# 3. trees and entropy banks per head kind (bfloat16 latency model; torch's default threads, as the
-#    benchmarks), then a float32 calibration of the Hydra++ heads for float32 decoding (entmtp).
-#    The shipped trees were searched before the prepacked kernels existed, so `--kernels stock`
-#    reproduces them; searched with the packed kernels (the default) the trees come out smaller
-#    (Hydra++ 4 nodes, Hydra 8 nodes depth 2) and measured no faster on the bench (session 8 notes).
-for heads in hydra++ hydra medusa; do
+# 3. trees and entropy banks per head kind (bfloat16 latency model, latency protocol 2, the default
+#    packed kernels; torch's default threads, as the benchmarks), then a float32 calibration of the
+#    Hydra++ heads for float32 decoding (entmtp). The step-time model is measured on this machine,
+#    so on another CPU the trees may come out different (they are chosen for its kernels).
+for heads in hydra hydra++ medusa; do
   python -m entmtp search --model default --heads "$heads" --data runs/calib_prompts.jsonl \
     --budgets 4,8,16,32,64 --dtype bfloat16 --max-prompts 200 --max-new-tokens 64 --no-progress \
-    --kernels stock --out "runs/search-${heads/++/pp}" --save-trees-to trees/
+    --out "runs/search-${heads/++/pp}" --save-trees-to trees/
 done
 python scripts/record_default_trees.py
 python -m entmtp search --model default --heads hydra++ --data runs/calib_prompts.jsonl \
   --budgets 4,8,16,32,64 --dtype float32 --max-prompts 200 --max-new-tokens 64 --no-progress \
-  --kernels stock --out runs/search-hydrapp-fp32 --save-trees-to trees/ --tag fp32
+  --out runs/search-hydrapp-fp32 --save-trees-to trees/ --tag fp32
 python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrapp
 
 # 4. benchmarks on the held-out bench set
