@@ -25,8 +25,8 @@ entropy-aware scheduler's tables.
 
 Latency model (`measure_latency`): one decoding step's draft + verify + bookkeeping time,
 measured with the real engine and heads for trees of every size up to 16 nodes (then a coarse
-grid; `size_grid`) and every depth (all in one generation, round-robin), cached per model,
-device, dtype and heads (`latency_cache_path`).
+grid; `size_grid`) and every depth (round-robin, each timed step warm, a new prefill every
+`LATENCY_WINDOW` tokens), cached per model, device, dtype and heads (`latency_cache_path`).
 `LatencyModel.cost(n, depth)` interpolates it.
 
 Library API (used by `entmtp.search`, the CLI and the app)::
@@ -1029,8 +1029,8 @@ class LatencyModel:
         return sorted(self.points)
 
     def covers(self, sizes: Sequence[int], depths: Sequence[int]) -> bool:
-        """Whether every depth was measured at every size it can have (n >= depth): a model
-        from a coarser grid (an older cache) does not cover a dense one."""
+        """Whether every (size, depth) point `latency_jobs` would measure is here: a model from a
+        coarser grid (an older cache) does not cover a dense one."""
         have = {(n, d) for d, pts in self.points.items() for n, _ in pts}
         return set(latency_jobs(sizes, depths)) <= have
 
@@ -1101,9 +1101,9 @@ def size_grid(max_nodes: int) -> list[int]:
 
     Dense where the searched trees live, because step time is not smooth there: matrix
     kernels block the rows (tree nodes + root), so one more node can cross a block edge. On
-    the 2-core AVX-512 CPU of docs/bench, 5 -> 6 nodes (6 -> 7 rows) costs 2-5 ms of a 33 ms
-    step while 4 -> 5 costs under 1 ms; a grid of 4, 6, 8 interpolated the edge away and the
-    search chose 6-node trees a 5-node tree beat on every held-out measurement.
+    the 2-core AVX-512 CPU of docs/bench, trees of 1-4 nodes cost the same, the 5th node
+    +1.4 ms and the 6th +2.3 ms of a 33 ms step (trees/reports/smollm2-135m-hydra-latency.json,
+    pooled over depths); a grid of 4, 6, 8 interpolated that edge away.
     """
     coarse = [24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     dense = range(1, min(DENSE_SIZES, max_nodes) + 1)
@@ -1193,13 +1193,12 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
       generation would measure the later trees at ever longer contexts."""
     times: dict[int, list[float]] = {}
     todo = list(sequence)
-    max_size = max(t.size for t in bank)
+    room = engine.max_context - len(ids) - max(t.size for t in bank) - 2
+    per_step = max(t.depth for t in bank) + 1  # most tokens one step adds
+    if room < 2 * per_step:
+        raise ValueError("the model's context is too short for the latency measurement")
+    n = max(1, min(room, LATENCY_WINDOW) // (2 * per_step))  # trees per generation
     while todo:
-        room = engine.max_context - len(ids) - max_size - 2
-        per_step = max(t.depth for t in bank) + 1
-        n = max(1, min(len(todo), min(room, LATENCY_WINDOW) // (2 * per_step)))
-        if room < 2 * per_step:
-            raise ValueError("the model's context is too short for the latency measurement")
         chunk, todo = todo[:n], todo[n:]
         plan = [j for j in chunk for _ in (0, 1)]  # (warm, timed) per tree
         cfg = DecodeConfig(max_new_tokens=(len(plan) + 1) * per_step + 1, eos_token_ids=())
@@ -1235,10 +1234,10 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     """Measure one decoding step's time (draft + verify + bookkeeping, median of `repeats`)
     with the real engine and heads, for representative trees of every size in `sizes`
     (default `size_grid`) at every depth in `depths` (default 1..num_heads), plus a root-only
-    (plain decoding) step. All trees run round-robin inside one generation per round (one
-    prefill), on a context of `context_tokens` random tokens or the given `context_ids`, so
-    drift in machine load hits every size alike; each timed step follows an untimed step of
-    the same tree (`_cycle_times`: per-shape kernel state is warm, as in decoding)."""
+    (plain decoding) step. All trees run round-robin, on a context of `context_tokens` random
+    tokens or the given `context_ids`, so drift in machine load hits every size alike; each
+    timed step follows an untimed step of the same tree and each generation adds at most
+    `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays)."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:

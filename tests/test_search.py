@@ -411,7 +411,7 @@ def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
     assert len(with_heads) > 1  # the window forced several prefills
     bank = with_heads[0][1].bank
     timed = 0
-    for n_ctx, sched, g in with_heads:
+    for _, sched, g in with_heads:
         used = sched.used
         assert len(used) % 2 == 0 and used[0::2] == used[1::2]  # (warm, timed) pairs of one tree
         timed += len(used) // 2
