@@ -22,6 +22,7 @@ calibration on it run the stock kernels.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional
 
 import torch
@@ -31,8 +32,19 @@ KERNELS = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
 
-def _has_packed_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+@functools.lru_cache(maxsize=None)
+def _packing_unavailable() -> Optional[str]:
+    """None when this torch build and CPU can prepack a bf16 linear, else why not (one line).
+
+    Probed once by packing a small weight: oneDNN's bf16 reorder needs AVX-512 (bw/vl/dq) or
+    AVX-NE-CONVERT, and an AVX2-only CPU raises RuntimeError only when asked."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "this torch build has no oneDNN prepacked linear"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError:
+        return "this CPU has no oneDNN bf16 linear kernels (they need AVX-512 or AVX-NE-CONVERT)"
+    return None
 
 
 def _exact(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -50,7 +62,7 @@ def _exact(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """weight [out, in] bf16 on CPU -> its oneDNN-prepacked copy, or None when that is not
     available here or not bit-identical to `F.linear` on a random probe."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _has_packed_linear():
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or _packing_unavailable():
         return None
     w = weight.detach()
     try:
@@ -96,9 +108,7 @@ def can_pack(model: nn.Module) -> Optional[str]:
         return f"packed kernels are for CPU models (this one is on {p.device.type})"
     if p.dtype != torch.bfloat16:
         return f"packed kernels are exact only in bfloat16 (this model is {str(p.dtype).removeprefix('torch.')})"
-    if not _has_packed_linear():
-        return "this torch build has no oneDNN prepacked linear"
-    return None
+    return _packing_unavailable()
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:

@@ -123,4 +123,7 @@ def test_bf16_generation_is_the_same_with_packed_or_stock_kernels(tiny, capsys):
         code, out, err = run(capsys, *base, "--kernels", k)
         assert code == 0, err
         outs.append(json.loads(out)["tokens"])
-    assert outs[0] == outs[1] and len(outs[0]) == 16
+    # A random tiny model may pick its end token early on another CPU's bf16 rounding; the claim is
+    # that both kernel paths produce the same tokens, stopping for the same reason.
+    assert outs[0] == outs[1]
+    assert len(outs[0]) == 16 or (outs[0] and outs[0][-1] == 1)  # 1 = the tiny tokenizer's end token

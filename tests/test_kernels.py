@@ -62,6 +62,24 @@ def test_policies_and_refusals():
     assert kernels.decode_model(bf16_model, "stock")[:2] == (bf16_model, "stock")
 
 
+def test_a_cpu_without_bf16_reorder_falls_back_with_a_reason(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises RuntimeError when called: auto must fall
+    back to the stock kernels and "packed" must refuse in one line, not crash mid-generation."""
+    def no_bf16(w):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    kernels._packing_unavailable.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
+    try:
+        m, name, why = kernels.decode_model(bf16_model, "auto")
+        assert m is bf16_model and name == "stock" and "AVX-512" in why
+        with pytest.raises(ValueError, match="cannot use packed kernels: this CPU"):
+            kernels.decode_model(bf16_model, "packed")
+        assert kernels.packed_weight(bf16_model.lm_head.weight) is None
+    finally:
+        kernels._packing_unavailable.cache_clear()
+
+
 @needs_pack
 def test_auto_packs_small_bf16_models_and_respects_the_memory_cap(monkeypatch):
     m, name, _ = kernels.decode_model(bf16_model, "auto")
