@@ -216,7 +216,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
                 f"{ms[m].get('speedup_vs_hf') or 0:.2f}x" if "hf" in methods else f"{ms[m]['tokens_per_s']:.1f}" for m in methods) + " |")
     md = [f"# entmtp bench", "", f"`{meta['command']}`", "",
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
-          f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']}.",
+          f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']} ({meta.get('hardware', '?')}).",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
           + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.", "",
           table, *cat_lines, ""]
@@ -270,6 +270,7 @@ def cmd_bench(args) -> int:
     """benchmark hf / pld / baseline / medusa / hydra / entmtp side by side"""
     from .cli import CLIError, load_engine_for, method_lookup
     from .data import bundled_prompts, load_prompts
+    from .hardware import hardware_class
     from .models import describe_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -292,6 +293,7 @@ def cmd_bench(args) -> int:
     meta = {"command": command, "model": describe_model(engine.model), "dtype": args.dtype, "device": str(engine.device),
             "prompts": len(prompts), "prompt_file_sha256": ps.sha256, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+            "hardware": hardware_class(engine.device),
             "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "lookup": {m: method_lookup(m, args) for m in methods if m not in ("hf", "pld")},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",

@@ -1115,7 +1115,10 @@ def _slug(s: str) -> str:
 
 
 def machine_info() -> dict:
+    from .hardware import cpu_isa
+
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_isa": cpu_isa(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version()}
     if torch.cuda.is_available():
@@ -1125,7 +1128,9 @@ def machine_info() -> dict:
 
 def latency_key(engine: Engine, heads: str) -> dict:
     """What a cached latency model depends on: the architecture (config, not the path or the
-    weights), device, dtype, the heads' shape, the CPU threads and the decoding kernels."""
+    weights), device and its hardware class, dtype, the heads' shape, the CPU threads and the
+    decoding kernels."""
+    from .hardware import hardware_class
     from .models import describe_model
 
     info = describe_model(engine.model)
@@ -1135,7 +1140,9 @@ def latency_key(engine: Engine, heads: str) -> dict:
     heads_cfg = {k: v for k, v in engine.runners[heads].config.to_dict().items() if k not in ("base_model", "notes")}
     return {"model": info.get("name"), "architecture": info.get("architecture"), "n_params": info.get("n_params"),
             "model_config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
-            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,
+            "device": str(engine.device), "hardware": hardware_class(engine.device),
+            "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
+            "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,
             "threads": torch.get_num_threads() if engine.device.type == "cpu" else None, "torch": torch.__version__,
             "kernels": [getattr(engine, "kernels", "stock"), getattr(engine.runners[heads], "kernels", "stock")]}
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .kernels import can_pack, packed_twin
 from .trees import Tree
-from .verify import fast_bf16_matmul
+from .hardware import fast_bf16_matmul
 
 
 @dataclass
@@ -343,8 +343,9 @@ class HeadRunner:
 
     def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto",
                  kernels: str = "auto"):
-        """kernels: "auto"/"packed" run the heads' bf16 linears prepacked on CPU where exact
-        (`entmtp.kernels`; drafts are then bit-identical to the stock ones), "stock" never."""
+        """kernels: "auto"/"packed" run the heads' linears prepacked on CPU where the probes pass
+        (`entmtp.kernels`: bf16 drafts bit-identical to the stock ones, fp32 within rounding;
+        drafts are verified either way), "stock" never."""
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
@@ -362,7 +363,7 @@ class HeadRunner:
         if heads.lm_heads is None:
             w = lm if dv is None else lm.index_select(0, self.draft_vocab).contiguous()
             self.lm_weight = w if w.dtype == self.dtype else w.detach().to(self.dtype)
-        # what drafting runs: the heads and the shared lm_head, prepacked where that is exact
+        # what drafting runs: the heads and the shared lm_head, prepacked where the probes pass
         self.compute, self.kernels = self.heads, "stock"
         self.lm = None
         if self.lm_weight is not None:

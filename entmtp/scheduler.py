@@ -286,13 +286,17 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
 
 
 def recorded_default(engine, heads: Optional[str], key: str) -> Optional[str]:
-    """A file name recorded in the loaded heads' meta: `<key>_<dtype>` for the engine's dtype
-    (trees and banks are calibrated per dtype and hardware), else `<key>`."""
+    """A file name recorded in the loaded heads' meta, the most specific first:
+    `<key>_<dtype>@<hardware class>`, `<key>_<dtype>`, `<key>` (trees and banks are chosen by
+    step times measured per dtype and hardware: `entmtp.hardware`)."""
+    from .hardware import hardware_class
+
     meta = {}
     if engine is not None and heads in getattr(engine, "runners", {}):
         meta = getattr(engine.runners[heads].heads, "meta", {}) or {}
     dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
-    return meta.get(f"{key}_{dtype}") or meta.get(key)
+    hw = hardware_class(getattr(engine, "device", "cpu"))
+    return meta.get(f"{key}_{dtype}@{hw}") or meta.get(f"{key}_{dtype}") or meta.get(key)
 
 
 def default_bank_path(engine, heads: Optional[str]) -> Path:

@@ -650,6 +650,7 @@ def load_model_ui(model_key, method, state):
 
 
 def model_info_md(entry: LoadedModel) -> str:
+    from .hardware import hardware_class
     from .models import describe_model
 
     d = describe_model(entry.engine.model)
@@ -658,7 +659,8 @@ def model_info_md(entry: LoadedModel) -> str:
     bad = [(m, r) for m, r in st.items() if r is not None]
     n = d.get("n_params") or 0
     lines = [f"<b>{html.escape(entry.label)}</b> · {html.escape(str(d.get('family')))} · {n / 1e6:.0f}M parameters · "
-             f"{html.escape(str(d.get('dtype')))} on {html.escape(str(d.get('device')))} · context {entry.engine.max_context}"
+             f"{html.escape(str(d.get('dtype')))} on {html.escape(str(d.get('device')))}"
+             f" ({html.escape(hardware_class(entry.engine.device))}) · context {entry.engine.max_context}"
              f" · {html.escape(getattr(entry.engine, 'kernels', 'stock'))} kernels",
              "available: " + ", ".join(ok)]
     if bad:

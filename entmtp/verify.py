@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .hardware import fast_bf16_matmul
 from .kernels import packed_linear, packed_weight
 
 
@@ -103,15 +104,6 @@ def last_positions(q: int, k: int, device=None) -> torch.Tensor:
     matmul broadcasts and copies the whole lm_head weight (SmolLM2-135M bf16: +50 ms per
     prefill, about a one-token step). Indexing gives the same rows, contiguous."""
     return torch.arange(q - k, q, device=device)
-
-
-def fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
-    cpu = getattr(torch, "cpu", None)
-    try:
-        return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
-    except AttributeError:
-        return False
 
 
 NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: run the body, skip the lm_head

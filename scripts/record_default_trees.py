@@ -5,6 +5,8 @@ the best tokens/s tree of at most 64 nodes (`<name>-b64.json`) becomes the heads
 `<name>-bank.json` their entropy bank (`meta.default_tree` / `meta.default_bank` in config.json).
 With `--dtype float32 --tag fp32 --kinds hydrapp`: `<name>-fp32-b64.json` / `<name>-fp32-bank.json`
 become `meta.default_tree_float32` / `meta.default_bank_float32` (used when the base runs in float32).
+With `--hardware cpu-avx2` as well: `meta.default_tree_float32@cpu-avx2` (used only on CPUs of that
+class, `entmtp.hardware.hardware_class`; `--hardware here` = this machine's class).
 """
 
 import argparse
@@ -23,10 +25,22 @@ def main() -> int:
     ap.add_argument("--name", default="smollm2-135m")
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="record as the default for this dtype only (e.g. float32)")
+    ap.add_argument("--hardware", default=None,
+                    help="record for this hardware class only (needs --dtype), e.g. cpu-avx2; 'here' = this machine's")
     ap.add_argument("--tag", default="", help="tag in the tree file names, e.g. fp32 for <name>-fp32-b64.json")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: medusa,hydra,hydrapp")
     args = ap.parse_args()
     key_suffix = f"_{args.dtype}" if args.dtype else ""
+    if args.hardware:
+        if not args.dtype:
+            print("error: --hardware needs --dtype", file=sys.stderr)
+            return 2
+        if args.hardware == "here":
+            sys.path.insert(0, str(ROOT))
+            from entmtp.hardware import hardware_class
+
+            args.hardware = hardware_class("cpu")
+        key_suffix += f"@{args.hardware}"
     tag = f"-{args.tag}" if args.tag else ""
     for suffix in [k.strip() for k in args.kinds.split(",") if k.strip()]:
         if suffix not in KINDS:

@@ -152,5 +152,14 @@ def test_recorded_defaults_are_chosen_per_dtype():
     assert default_tree(eng, "hydra").key() == resolve_tree("binary_2x2").key()
     heads.meta.pop("default_tree_float32")
     assert default_tree(eng, "hydra").key() == resolve_tree("chain_2").key()
+    # a tree recorded for this machine's hardware class wins over the dtype's and the generic one
+    from entmtp.hardware import hardware_class
+
+    here = hardware_class("cpu")
+    heads.meta.update({f"default_tree_float32@{here}": "chain_3.json", "default_tree_float32@cpu-other": "chain_4.json",
+                       "default_tree_float32": "binary_2x2.json"})
+    assert recorded_default(eng, "hydra", "default_tree") == "chain_3.json"
+    heads.meta.pop(f"default_tree_float32@{here}")
+    assert recorded_default(eng, "hydra", "default_tree") == "binary_2x2.json"  # another class's tree is not used
     with pytest.raises(TreeError, match="no entropy bank"):
         default_bank_path(eng, "hydra")  # recorded, but the file does not exist

@@ -444,6 +444,12 @@ def test_latency_measured_once_and_cached(tmp_path, monkeypatch):
     assert not load_or_measure_latency(eng, "hydra", max_nodes=4, repeats=1, context_tokens=16).meta["cached"]
     assert load_or_measure_latency(eng, "hydra", max_nodes=4).meta["cached"]
     assert latency_cache_path(eng, "medusa") != path
+    # step times measured on another class of CPU (the cache dir moved with a home directory, say)
+    # are not reused: the hardware class is part of the key
+    import entmtp.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: "some-other-isa")
+    assert latency_cache_path(eng, "hydra") != path
 
 
 # ---- search, frontier, report ---------------------------------------------------------------------

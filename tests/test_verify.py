@@ -5,7 +5,8 @@ import torch
 
 from conftest import tiny_model
 from entmtp.decoding import DecodeConfig, Engine
-from entmtp.verify import ScreenedGreedyHead, fast_bf16_matmul
+from entmtp.hardware import fast_bf16_matmul
+from entmtp.verify import ScreenedGreedyHead
 
 needs_bf16 = pytest.mark.skipif(not fast_bf16_matmul(), reason="this CPU has no bf16 matrix units")
 

@@ -1,0 +1,46 @@
+"""What the decoding hardware is, in the terms tree calibration needs.
+
+A draft tree is chosen by expected tokens/s = tau / step time, and step time depends on the
+matrix units far more than on the model: on an AVX-512-BF16 CPU a bf16 forward over a 5-row
+tree costs about one 1-row step (SmolLM2-135M), on an AVX2-only CPU (no bf16 instructions,
+oneDNN refuses bf16) about 2.5 one-row steps and a 33-row tree 10 (`scripts/step_rows.py`).
+A tree calibrated on one class of CPU can thus be slower than plain decoding on another, so
+calibrated trees and banks are recorded per hardware class (`hardware_class`) and looked up
+by it (`entmtp.scheduler.recorded_default`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
+    cpu = getattr(torch, "cpu", None)
+    try:
+        return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
+    except AttributeError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_isa() -> str:
+    """The CPU's widest matrix instructions torch uses: amx, avx512_bf16, avx512, avx2, or
+    torch's own name for others (lower case, e.g. default, sve256)."""
+    cpu = getattr(torch, "cpu", None)
+    try:
+        if cpu._is_amx_tile_supported():
+            return "amx"
+        if cpu._is_avx512_bf16_supported():
+            return "avx512_bf16"
+    except AttributeError:
+        pass
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
+def hardware_class(device) -> str:
+    """'cpu-<isa>' for a CPU device, else the device type ('cuda', 'mps', ...)."""
+    kind = torch.device(device).type
+    return f"cpu-{cpu_isa()}" if kind == "cpu" else kind

@@ -1,0 +1,14 @@
+"""Hardware classes: the key under which step times, trees and banks are calibrated."""
+
+import torch
+
+from entmtp.hardware import cpu_isa, fast_bf16_matmul, hardware_class
+
+
+def test_hardware_class_names_the_cpu_isa_or_the_device_type():
+    isa = cpu_isa()
+    assert isa and isa == isa.lower() and " " not in isa
+    assert hardware_class("cpu") == hardware_class(torch.device("cpu")) == f"cpu-{isa}"
+    assert hardware_class("cuda:1") == "cuda" and hardware_class("mps") == "mps"
+    # bf16 matrix units are exactly the two classes named for them
+    assert fast_bf16_matmul() == (isa in ("amx", "avx512_bf16"))
