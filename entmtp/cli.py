@@ -52,8 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large base across GPUs (accelerate)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--kernels", default="auto", choices=["auto", "packed", "stock"],
-                   help="our decoding's linear kernels: packed = bf16 weights prepacked for oneDNN on CPU "
-                        "(bit-identical to stock, faster); auto = packed where exact (CPU, bfloat16), else stock")
+                   help="our decoding's linear kernels: packed = weights prepacked for oneDNN on CPU (faster; "
+                        "bf16 bit-identical to stock, fp32 within rounding, 1e-5 relative); auto = packed where "
+                        "the probes pass (CPU, bfloat16 or float32), else stock; stock = transformers' kernels")
 
 
 HYDRA_FAMILY = ("hydra++", "hydra")  # best first: entmtp and dynamic use the best one available

@@ -80,8 +80,9 @@ class Engine:
                  screened_head: bool = True, kernels: str = "auto"):
         """screened_head: on a CPU with bf16 units, verify float32 greedy steps with the exact
         screened lm_head (`verify.ScreenedGreedyHead`) where it applies to this model.
-        kernels: "auto" | "packed" | "stock": decode with a twin of the model whose bf16 linears
-        are prepacked (`kernels.decode_model`: bit-identical, faster on CPU); `self.model`
+        kernels: "auto" | "packed" | "stock": decode with a twin of the model whose linears
+        are prepacked for oneDNN (`kernels.decode_model`: bf16 bit-identical, fp32 within
+        rounding; faster on CPU); `self.model`
         itself stays stock (transformers' `generate`, training and calibration use it)."""
         check_tree_support(model)
         self.model = model.eval()

@@ -1,18 +1,23 @@
-"""Prepacked CPU linear layers: the same bfloat16 products at a fraction of the cost.
+"""Prepacked CPU linear layers: the same products at a fraction of the cost.
 
-torch's CPU `F.linear` in bfloat16 hands oneDNN a plain ``[out, in]`` weight, which oneDNN
-re-lays out (blocked, with the VNNI pairing its bf16 kernels read) on *every* call: each
-layer's weight is read, rewritten and read again. For the small row counts of decoding
-(1 token, or a draft tree of 4-32) that relayout is most of the cost. Packing each weight
-once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does) and
-calling the prepacked kernel runs the very same arithmetic on the prepared layout: on our
-2-core AVX-512-bf16 CPU all 211 linears of SmolLM2-135M take 16.5 ms instead of 23.4 ms for
-1 row and 17.8 ms instead of 29.4 ms for 9 rows (`python scripts/bench_kernels.py`).
+torch's CPU `F.linear` hands its backend a plain ``[out, in]`` weight on every call. In
+bfloat16 that backend is oneDNN, which re-lays the weight out (blocked, with the VNNI pairing
+its bf16 kernels read) each time: every layer's weight is read, rewritten and read again. In
+float32 it is MKL's sgemm, which is slow for the few rows of decoding (1 token, or a draft tree
+of 2-32) on an AVX2 CPU: a 2-row forward of SmolLM2-135M cost 1.6x a 1-row one. Packing each
+weight once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing
+pass does) and calling its prepacked kernel removes both costs (`python scripts/bench_kernels.py`):
 
-It is used only where it is exact: `packed_twin` probes every packed layer with its real
-weight and falls back to the stock model unless every probe is bit-identical to `F.linear`
-(in float32 the packed kernel accumulates in a different order, so float32 never packs: our
-float32 identity with `generate` stays exact).
+* bfloat16, 2-core AVX-512-bf16 CPU: all 211 linears of SmolLM2-135M take 16.5 ms instead of
+  23.4 ms for 1 row and 17.8 ms instead of 29.4 ms for 9 rows. The products are bit-identical
+  to `F.linear`'s: `packed_twin` probes every layer with its real weight and refuses otherwise.
+* float32, 2-core AVX2 CPU: a whole forward after 200 cached tokens takes 65 ms instead of 74 ms
+  for 1 row, 68 instead of 118 for 2 rows, 70 instead of 109 for 5 and 81 instead of 116 for 9,
+  so draft trees of up to ~9 nodes cost barely more than one token. oneDNN sums in another order
+  than MKL (outputs within ~1e-6 relative, probed per layer at 1e-5), the same kind of
+  difference as between a tree forward and a one-token forward, so greedy outputs stay
+  identical to `generate` except at exact near-ties; `entmtp bench` reports the identity rate
+  of every run, and `kernels="stock"` keeps transformers' own kernels.
 
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
@@ -32,29 +37,40 @@ KERNELS = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
 
-@functools.lru_cache(maxsize=None)
-def _packing_unavailable() -> Optional[str]:
-    """None when this torch build and CPU can prepack a bf16 linear, else why not (one line).
+PACKABLE = (torch.bfloat16, torch.float32)
+FP32_PROBE_RTOL = 1e-5  # a packed float32 layer may differ from F.linear by this much of its output scale
 
-    Probed once by packing a small weight: oneDNN's bf16 reorder needs AVX-512 (bw/vl/dq) or
-    AVX-NE-CONVERT, and an AVX2-only CPU raises RuntimeError only when asked."""
+
+@functools.lru_cache(maxsize=None)
+def _packing_unavailable(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """None when this torch build and CPU can prepack a `dtype` linear, else why not (one line).
+
+    Probed once per dtype by packing a small weight: oneDNN's bf16 reorder needs AVX-512
+    (bw/vl/dq) or AVX-NE-CONVERT, and an AVX2-only CPU raises RuntimeError only when asked."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch build has no oneDNN prepacked linear"
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=dtype))
     except RuntimeError:
-        return "this CPU has no oneDNN bf16 linear kernels (they need AVX-512 or AVX-NE-CONVERT)"
+        if dtype == torch.bfloat16:
+            return "this CPU has no oneDNN bf16 linear kernels (they need AVX-512 or AVX-NE-CONVERT)"
+        return f"oneDNN cannot prepack {str(dtype).removeprefix('torch.')} linears on this CPU"
     return None
 
 
-def _exact(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           rows: tuple[int, ...] = (1, 7)) -> bool:
-    """Whether the prepacked weight reproduces F.linear(x, weight, bias) bit for bit on random inputs."""
+def _probe_ok(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              rows: tuple[int, ...] = (1, 7)) -> bool:
+    """Whether the prepacked weight reproduces F.linear(x, weight, bias) on random inputs: bit for
+    bit in bfloat16, within FP32_PROBE_RTOL of the output scale in float32 (another summation order)."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for r in rows:
             x = torch.randn(r, weight.shape[1], generator=g).to(weight.dtype)
-            if not torch.equal(packed_linear(x, packed, weight.shape[0], bias), nn.functional.linear(x, weight, bias)):
+            y, ref = packed_linear(x, packed, weight.shape[0], bias), nn.functional.linear(x, weight, bias)
+            if weight.dtype == torch.bfloat16:
+                if not torch.equal(y, ref):
+                    return False
+            elif not (y - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30):
                 return False
     return True
 
@@ -62,12 +78,12 @@ def _exact(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """weight [out, in] bf16 on CPU -> its oneDNN-prepacked copy, or None when that is not
     available here or not bit-identical to `F.linear` on a random probe."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or _packing_unavailable():
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or _packing_unavailable(torch.bfloat16):
         return None
     w = weight.detach()
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        return packed if _exact(packed, w) else None
+        return packed if _probe_ok(packed, w) else None
     except RuntimeError:
         return None
 
@@ -106,13 +122,13 @@ def can_pack(model: nn.Module) -> Optional[str]:
         return "the model has no parameters"
     if p.device.type != "cpu":
         return f"packed kernels are for CPU models (this one is on {p.device.type})"
-    if p.dtype != torch.bfloat16:
-        return f"packed kernels are exact only in bfloat16 (this model is {str(p.dtype).removeprefix('torch.')})"
-    return _packing_unavailable()
+    if p.dtype not in PACKABLE:
+        return f"packed kernels are for bfloat16 and float32 models (this one is {str(p.dtype).removeprefix('torch.')})"
+    return _packing_unavailable(p.dtype)
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in PACKABLE
             and m.weight.device.type == "cpu"]
 
 
@@ -123,7 +139,7 @@ def linear_bytes(model: nn.Module) -> int:
 
 
 def packed_twin(model: nn.Module) -> nn.Module:
-    """A twin of `model` whose bf16 `nn.Linear` layers are `PackedLinear`s, all else shared.
+    """A twin of `model` whose `nn.Linear` layers of its dtype are `PackedLinear`s, all else shared.
 
     Modules are shallow copies (their own module, parameter, buffer and hook tables, the same
     tensors), so `model` is not modified and hooks added to it later do not fire on the twin.
@@ -131,15 +147,17 @@ def packed_twin(model: nn.Module) -> nn.Module:
     why = can_pack(model)
     if why:
         raise ValueError(why)
+    dtype = next(model.parameters()).dtype
     memo: dict[int, nn.Module] = {}
 
     def twin(mod: nn.Module) -> nn.Module:
         if id(mod) in memo:
             return memo[id(mod)]
-        if type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16:
+        if type(mod) is nn.Linear and mod.weight.dtype == dtype:
             new: nn.Module = PackedLinear(mod)
-            if not _exact(new.packed, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
-                raise ValueError(f"the packed kernel is not bit-identical to F.linear here ({mod.in_features}x{mod.out_features})")
+            if not _probe_ok(new.packed, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
+                what = "bit-identical to" if dtype == torch.bfloat16 else f"within {FP32_PROBE_RTOL:g} of"
+                raise ValueError(f"the packed kernel is not {what} F.linear here ({mod.in_features}x{mod.out_features})")
         else:
             new = copy.copy(mod)
             # own tables (a shallow copy would share them), same tensors and hook functions:
@@ -157,8 +175,9 @@ def packed_twin(model: nn.Module) -> nn.Module:
 
 def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
     """The model to decode with for a `kernels` policy: (model or its packed twin, "packed" or
-    "stock", why). "auto" packs where exact and the twin's extra memory is at most
-    AUTO_MAX_BYTES; "packed" insists (ValueError when it cannot); "stock" never packs."""
+    "stock", why). "auto" packs where the probes pass (bf16: bit-identical; fp32: within
+    FP32_PROBE_RTOL) and the twin's extra memory is at most AUTO_MAX_BYTES; "packed" insists
+    (ValueError when it cannot); "stock" never packs."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
     if kernels == "stock":
@@ -169,7 +188,11 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
         why = f"the packed copies would need {extra / 2**30:.1f} GiB more memory (auto packs up to {AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels packed)"
     if why is None:
         try:
-            return packed_twin(model), "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
+            twin = packed_twin(model)
+            if next(model.parameters()).dtype == torch.bfloat16:
+                return twin, "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
+            return twin, "packed", ("fp32 linears prepacked for oneDNN (another summation order, within "
+                                    f"{FP32_PROBE_RTOL:g} of stock, probed; greedy identity with generate is measured)")
         except ValueError as e:
             why = str(e)
     if kernels == "packed":
@@ -177,4 +200,4 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return model, "stock", why
 
 
-__all__ = ["KERNELS", "PackedLinear", "packed_weight", "packed_linear", "can_pack", "linear_bytes", "packed_twin", "decode_model"]
+__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "packed_weight", "packed_linear", "can_pack", "linear_bytes", "packed_twin", "decode_model"]

@@ -68,7 +68,7 @@ def test_generate_prints_answer_and_summary(tiny, capsys):
     (["--heads", "/nonexistent/heads"], "heads not found"),
     (["--tree", "chain_5"], "exceeds the 4 draft heads"),
     (["--temperature", "-1"], "temperature"),
-    (["--kernels", "packed"], "packed kernels are exact only in bfloat16"),  # the tiny base is float32
+    (["--dtype", "float16", "--kernels", "packed"], "packed kernels are for bfloat16 and float32"),
 ])
 def test_errors_are_one_line(tiny, capsys, extra, needle):
     args = ["generate", "--base", str(tiny / "base"), "--method", "hydra", "hello", "--max-new-tokens", "4"]

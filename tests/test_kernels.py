@@ -14,6 +14,49 @@ needs_pack = pytest.mark.skipif(kernels.can_pack(bf16_model) is not None,
                                 reason=f"no packed kernels here: {kernels.can_pack(bf16_model)}")
 
 
+fp32_model = tiny_model("llama", vocab=96)
+needs_pack32 = pytest.mark.skipif(kernels.can_pack(fp32_model) is not None,
+                                  reason=f"no packed float32 kernels here: {kernels.can_pack(fp32_model)}")
+
+
+@needs_pack32
+def test_float32_twin_is_within_rounding_and_decodes_like_generate():
+    """fp32 packs with another summation order: outputs within rounding of the stock model, and
+    greedy decoding (plain and with a tree) gives generate's tokens."""
+    model = tiny_model("llama", vocab=96, seed=5)
+    m, name, why = kernels.decode_model(model, "auto")
+    assert name == "packed" and m is not model and "fp32" in why
+    assert {p.data_ptr() for p in m.parameters()} == {p.data_ptr() for p in model.parameters()}
+    ids = torch.randint(2, 96, (1, 13))
+    with torch.inference_mode():
+        a, b = model(ids).logits, m(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
+    eng = Engine(model, None, heads)
+    assert (eng.kernels, eng.runners["hydra"].kernels) == ("packed", "packed")
+    tree = resolve_tree("mc_sim_7b_63").truncated(4)
+    cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
+    for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        want = want[0, len(prompt):].tolist()
+        assert eng.run(prompt, config=cfg).tokens == want
+        assert eng.run(prompt, heads="hydra", tree=tree, config=cfg).tokens == want
+
+
+def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
+    """A layer whose packed fp32 product strays beyond FP32_PROBE_RTOL is not used: auto falls back."""
+    if kernels.can_pack(fp32_model) is not None:
+        pytest.skip(kernels.can_pack(fp32_model))
+    monkeypatch.setattr(kernels, "FP32_PROBE_RTOL", 0.0)
+    exact_here = kernels._probe_ok(torch.ops.mkldnn._reorder_linear_weight(fp32_model.lm_head.weight.detach()),
+                                   fp32_model.lm_head.weight.detach())
+    m, name, why = kernels.decode_model(fp32_model, "auto")
+    if exact_here:  # this CPU's oneDNN happens to sum like F.linear: nothing to refuse
+        assert name == "packed"
+    else:
+        assert m is fp32_model and name == "stock" and "within 0 of F.linear" in why
+
+
 @needs_pack
 @pytest.mark.parametrize("shape", [(5,), (1, 5), (7, 5), (1, 9, 5), (2, 3, 5)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -52,11 +95,13 @@ def test_twin_is_exact_shares_weights_and_leaves_the_model_alone():
 
 
 def test_policies_and_refusals():
+    fp16 = tiny_model("llama", dtype=torch.float16)
+    m, name, why = kernels.decode_model(fp16, "auto")
+    assert m is fp16 and name == "stock" and "bfloat16 and float32" in why
+    with pytest.raises(ValueError, match="cannot use packed kernels: .*float16"):
+        kernels.decode_model(fp16, "packed")
     fp32 = tiny_model("llama")
-    m, name, why = kernels.decode_model(fp32, "auto")
-    assert m is fp32 and name == "stock" and "bfloat16" in why  # float32 never packs: exact identity with generate
-    with pytest.raises(ValueError, match="cannot use packed kernels: .*bfloat16"):
-        kernels.decode_model(fp32, "packed")
+    assert kernels.decode_model(fp32, "stock")[:2] == (fp32, "stock")
     with pytest.raises(ValueError, match="kernels must be one of"):
         kernels.decode_model(fp32, "fast")
     assert kernels.decode_model(bf16_model, "stock")[:2] == (bf16_model, "stock")
@@ -138,7 +183,7 @@ def test_packed_weight_only_where_exact_and_the_screen_uses_it():
     from entmtp.verify import ScreenedGreedyHead
 
     w32 = torch.randn(40, 12)
-    assert packed_weight(w32) is None  # float32: never
+    assert packed_weight(w32) is None  # only the bf16 screen of a float32 head packs (packed_weight is bf16 only)
     if kernels.can_pack(bf16_model) is not None:
         pytest.skip("no packed kernels here")
     w = w32.to(torch.bfloat16)
