@@ -115,6 +115,17 @@ def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[i
     return runners
 
 
+def recorded_trees(engine, methods: list[str], args) -> dict:
+    """Per heads used: the tree and bank files their checkpoint records for this dtype and hardware
+    class (what a method decodes with unless --tree / --bank override it)."""
+    from .cli import method_heads
+    from .scheduler import recorded_default
+
+    used = sorted({method_heads(m, args) for m in methods if m not in ("hf", "pld")} - {None})
+    return {h: {"tree": recorded_default(engine, h, "default_tree"), "bank": recorded_default(engine, h, "default_bank")}
+            for h in used}
+
+
 def run_bench(engine, prompts, methods: list[str], args, progress: Optional[Callable[[str], None]] = None) -> list[Run]:
     from .data import render_prompt
 
@@ -218,7 +229,10 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
           f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']} ({meta.get('hardware', '?')}).",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
-          + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.", "",
+          + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.",
+          "Recorded trees / banks for this dtype and hardware: " + (", ".join(
+              f"{h} {v['tree']} / {v['bank']}" for h, v in meta.get("recorded_trees", {}).items()) or "none")
+          + "".join(f"; overridden by --{k} {v}" for k, v in (meta.get("overrides") or {}).items() if v) + ".", "",
           table, *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
     fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
@@ -297,7 +311,9 @@ def cmd_bench(args) -> int:
             "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "lookup": {m: method_lookup(m, args) for m in methods if m not in ("hf", "pld")},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
-            "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)"}
+            "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
+            "recorded_trees": recorded_trees(engine, methods, args),
+            "overrides": {"tree": args.tree, "bank": args.bank}}
     write_reports(Path(args.out), runs, summary, methods, meta)
     print(file=sys.stderr)
     print(markdown_table(summary, methods))

@@ -707,6 +707,7 @@ def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, d
     """
     from .checkpoints import load_heads
     from .decoding import Engine
+    from .hardware import dtype_advice
 
     model, tokenizer = load_base(base, dtype=dtype, device=device, device_map=device_map,
                                  attn_implementation=attn_implementation, progress=progress)
@@ -715,4 +716,7 @@ def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, d
         if str(base).lower() == "default":
             heads = {k: k for k in HEAD_KINDS if (DEFAULT_HEADS_DIR / HEAD_KINDS[k]).is_dir()}
     loaded = {name: load_heads(resolve_heads_dir(spec), base_config=model.config) for name, spec in heads.items()}
+    advice = dtype_advice(next(model.parameters()).device, next(model.parameters()).dtype)
+    if advice and loaded and progress:
+        progress(advice)
     return Engine(model, tokenizer, loaded, kernels=kernels)

@@ -650,7 +650,7 @@ def load_model_ui(model_key, method, state):
 
 
 def model_info_md(entry: LoadedModel) -> str:
-    from .hardware import hardware_class
+    from .hardware import dtype_advice, hardware_class
     from .models import describe_model
 
     d = describe_model(entry.engine.model)
@@ -663,6 +663,9 @@ def model_info_md(entry: LoadedModel) -> str:
              f" ({html.escape(hardware_class(entry.engine.device))}) · context {entry.engine.max_context}"
              f" · {html.escape(getattr(entry.engine, 'kernels', 'stock'))} kernels",
              "available: " + ", ".join(ok)]
+    advice = dtype_advice(entry.engine.device, entry.engine.dtype)
+    if advice:
+        lines.append(html.escape(advice.replace("use --dtype float32", "load it in float32")))
     if bad:
         lines.append("unavailable: " + "; ".join(f"<b>{m}</b> ({html.escape(r)})" for m, r in bad if m != "entmtp"
                                                  or st["hydra"] is None))

@@ -33,6 +33,10 @@ def test_bench_end_to_end(tmp_path, capsys):
     with open(out / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == 4 * 6
     assert "| hydra |" in (out / "report.md").read_text() and "plotly" in (out / "report.html").read_text()
+    # what ran where: the hardware class, and the trees the heads record (none here) and the override
+    assert s["meta"]["hardware"].startswith("cpu-") and s["meta"]["overrides"]["tree"] == "binary_2x2"
+    assert list(s["meta"]["recorded_trees"].values()) == [{"tree": None, "bank": None}]  # one head set, nothing recorded
+    assert "overridden by --tree binary_2x2" in (out / "report.md").read_text()
     assert "baseline / hf tokens/s ratio" in printed.out
 
 

@@ -12,3 +12,14 @@ def test_hardware_class_names_the_cpu_isa_or_the_device_type():
     assert hardware_class("cuda:1") == "cuda" and hardware_class("mps") == "mps"
     # bf16 matrix units are exactly the two classes named for them
     assert fast_bf16_matmul() == (isa in ("amx", "avx512_bf16"))
+
+
+def test_bf16_advice_only_where_speculation_cannot_pay():
+    from entmtp.hardware import dtype_advice
+
+    assert dtype_advice("cpu", torch.float32) is None and dtype_advice("cuda", torch.bfloat16) is None
+    advice = dtype_advice("cpu", torch.bfloat16)
+    if fast_bf16_matmul():
+        assert advice is None
+    else:
+        assert "no bf16 matrix units" in advice and "--dtype float32" in advice and "\n" not in advice
