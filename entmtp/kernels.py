@@ -11,13 +11,13 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
 * bfloat16, 2-core AVX-512-bf16 CPU: all 211 linears of SmolLM2-135M take 16.5 ms instead of
   23.4 ms for 1 row and 17.8 ms instead of 29.4 ms for 9 rows. The products are bit-identical
   to `F.linear`'s: `packed_twin` probes every layer with its real weight and refuses otherwise.
-* float32, 2-core AVX2 CPU: a whole forward after 200 cached tokens takes 65 ms instead of 74 ms
-  for 1 row, 68 instead of 118 for 2 rows, 70 instead of 109 for 5 and 81 instead of 116 for 9,
-  so draft trees of up to ~9 nodes cost barely more than one token. oneDNN sums in another order
-  than MKL (outputs within ~1e-6 relative, probed per layer at 1e-5), the same kind of
-  difference as between a tree forward and a one-token forward, so greedy outputs stay
-  identical to `generate` except at exact near-ties; `entmtp bench` reports the identity rate
-  of every run, and `kernels="stock"` keeps transformers' own kernels.
+* float32, 2-core AVX2 CPU: a whole forward after 200 cached tokens takes 69 ms instead of 79 ms
+  for 1 row, 65 instead of 114 for 4 rows and 79 instead of 135 for 9, so draft trees of up to
+  ~9 nodes cost barely more than one token. oneDNN sums in another order than MKL (logits within
+  2-3e-6 of their scale; every layer probed at 1e-5), the same kind of difference as between a
+  tree forward and a one-token forward, so greedy outputs stay identical to `generate` except
+  at exact near-ties; `entmtp bench` reports the identity rate of every run, and
+  `kernels="stock"` keeps transformers' own kernels.
 
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
