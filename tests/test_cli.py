@@ -127,3 +127,12 @@ def test_bf16_generation_is_the_same_with_packed_or_stock_kernels(tiny, capsys):
     # that both kernel paths produce the same tokens, stopping for the same reason.
     assert outs[0] == outs[1]
     assert len(outs[0]) == 16 or (outs[0] and outs[0][-1] == 1)  # 1 = the tiny tokenizer's end token
+
+
+def test_bf16_on_a_cpu_without_bf16_units_says_so(tiny, capsys):
+    from entmtp.hardware import fast_bf16_matmul
+
+    code, out, err = run(capsys, "generate", "--base", str(tiny / "base"), "--heads", str(tiny / "hydra"),
+                         "--dtype", "bfloat16", "hello", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert ("no bf16 matrix units" in err) == (not fast_bf16_matmul())

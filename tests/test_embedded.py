@@ -51,3 +51,24 @@ def test_shipped_banks_and_trees_resolve(engine):
         bank = load_bank(default_bank_path(engine, name))
         assert bank.trees and all(t.depth <= engine.runners[name].config.num_heads for t in bank.trees)
         assert default_tree(engine, name).name.startswith("smollm2-135m-")
+
+
+def test_every_recorded_tree_and_bank_exists_for_every_dtype_and_hardware_class():
+    """The heads record defaults per dtype and hardware class (default_tree_float32@cpu-avx2, ...):
+    each one must name a shipped file that loads, whichever machine runs the tests."""
+    import json
+
+    from entmtp.models import DEFAULT_HEADS_DIR
+    from entmtp.scheduler import load_bank
+    from entmtp.trees import TREES_DIR, resolve_tree
+
+    keys = []
+    for cfg in sorted(DEFAULT_HEADS_DIR.glob("*/config.json")):
+        meta = json.loads(cfg.read_text()).get("meta", {})
+        for key, name in meta.items():
+            if key.startswith("default_tree"):
+                assert resolve_tree(str(TREES_DIR / name)).n_nodes >= 1, (cfg, key)
+                keys.append(key)
+            elif key.startswith("default_bank"):
+                assert load_bank(TREES_DIR / name).trees, (cfg, key)
+    assert "default_tree_float32@cpu-avx2" in keys and "default_tree" in keys
