@@ -102,3 +102,9 @@ python -m entmtp bench --model default --dtype bfloat16 --methods hf,baseline,me
 python -m entmtp bench --model default --dtype bfloat16 --methods hf,baseline,entmtp --kernels stock \
   --max-new-tokens 128 --per-category 2 --out runs/bench-bf16-stock   # the same engine without packed kernels
 python scripts/bench_kernels.py   # stock vs prepacked bf16 linears (README, "Where the time goes")
+#    session 11 (AVX2 CPU): the float32 runs above, plus all 60 prompts in float32, the packed float32
+#    kernels and the step-time curve by tree rows (README, "On a CPU without bf16 units")
+python -m entmtp bench --model default --dtype float32 --methods hf,medusa,hydra,entmtp \
+  --max-new-tokens 128 --out runs/bench-fp32-all
+python scripts/bench_kernels.py --dtype float32
+python scripts/step_rows.py
