@@ -16,15 +16,6 @@ import functools
 import torch
 
 
-def fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
-    cpu = getattr(torch, "cpu", None)
-    try:
-        return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
-    except AttributeError:
-        return False
-
-
 @functools.lru_cache(maxsize=None)
 def cpu_isa() -> str:
     """The CPU's widest matrix instructions torch uses: amx, avx512_bf16, avx512, avx2, or
@@ -40,13 +31,18 @@ def cpu_isa() -> str:
     return torch.backends.cpu.get_cpu_capability().lower()
 
 
+def fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
+    return cpu_isa() in ("amx", "avx512_bf16")
+
+
 def hardware_class(device) -> str:
     """'cpu-<isa>' for a CPU device, else the device type ('cuda', 'mps', ...)."""
     kind = torch.device(device).type
     return f"cpu-{cpu_isa()}" if kind == "cpu" else kind
 
 
-def dtype_advice(device, dtype) -> str | None:
+def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | None:
     """One line for a user decoding in `dtype` on `device` where speculation cannot pay, else None.
 
     On a CPU without bf16 matrix units (and without oneDNN's bf16 kernels) torch multiplies bf16
@@ -56,4 +52,4 @@ def dtype_advice(device, dtype) -> str | None:
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
         return None
     return (f"note: this CPU ({hardware_class(device)}) has no bf16 matrix units: in bfloat16 a draft tree costs "
-            "several one-token steps and speculative decoding is slower than plain decoding; use --dtype float32")
+            f"several one-token steps and speculative decoding is slower than plain decoding; {remedy}")

@@ -42,7 +42,7 @@ FP32_PROBE_RTOL = 1e-5  # a packed float32 layer may differ from F.linear by thi
 
 
 @functools.lru_cache(maxsize=None)
-def _packing_unavailable(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
     """None when this torch build and CPU can prepack a `dtype` linear, else why not (one line).
 
     Probed once per dtype by packing a small weight: oneDNN's bf16 reorder needs AVX-512
@@ -128,8 +128,10 @@ def can_pack(model: nn.Module) -> Optional[str]:
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in PACKABLE
-            and m.weight.device.type == "cpu"]
+    """The layers `packed_twin` packs: CPU `nn.Linear`s in the model's dtype."""
+    p = next(model.parameters(), None)
+    return [m for m in model.modules() if type(m) is nn.Linear and p is not None and m.weight.dtype == p.dtype
+            and m.weight.dtype in PACKABLE and m.weight.device.type == "cpu"]
 
 
 def linear_bytes(model: nn.Module) -> int:

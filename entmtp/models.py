@@ -716,7 +716,8 @@ def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, d
         if str(base).lower() == "default":
             heads = {k: k for k in HEAD_KINDS if (DEFAULT_HEADS_DIR / HEAD_KINDS[k]).is_dir()}
     loaded = {name: load_heads(resolve_heads_dir(spec), base_config=model.config) for name, spec in heads.items()}
-    advice = dtype_advice(next(model.parameters()).device, next(model.parameters()).dtype)
+    p = next(model.parameters())
+    advice = dtype_advice(p.device, p.dtype)
     if advice and loaded and progress:
         progress(advice)
     return Engine(model, tokenizer, loaded, kernels=kernels)

@@ -663,9 +663,9 @@ def model_info_md(entry: LoadedModel) -> str:
              f" ({html.escape(hardware_class(entry.engine.device))}) · context {entry.engine.max_context}"
              f" · {html.escape(getattr(entry.engine, 'kernels', 'stock'))} kernels",
              "available: " + ", ".join(ok)]
-    advice = dtype_advice(entry.engine.device, entry.engine.dtype)
+    advice = dtype_advice(entry.engine.device, entry.engine.dtype, remedy="load it in float32")
     if advice:
-        lines.append(html.escape(advice.replace("use --dtype float32", "load it in float32")))
+        lines.append(html.escape(advice))
     if bad:
         lines.append("unavailable: " + "; ".join(f"<b>{m}</b> ({html.escape(r)})" for m, r in bad if m != "entmtp"
                                                  or st["hydra"] is None))
