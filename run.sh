@@ -31,10 +31,15 @@ install() {
 
 install_test() {
   quiet_pip install -q -r requirements-dev.txt
+  if [ "$(id -u)" = 0 ]; then APT=apt-get; else APT="sudo apt-get"; fi
   if [ ! -x /usr/bin/chromium ]; then
     log "installing Debian chromium for the browser tests"
-    if [ "$(id -u)" = 0 ]; then APT=apt-get; else APT="sudo apt-get"; fi
     $APT update -qq >/dev/null && $APT install -y -qq chromium >/dev/null
+  fi
+  # a C++ compiler builds entmtp's AVX2 bf16 kernels (entmtp/csrc), which their tests exercise
+  if ! command -v g++ >/dev/null; then
+    log "installing g++ for entmtp's CPU kernels"
+    $APT update -qq >/dev/null && $APT install -y -qq g++ >/dev/null
   fi
 }
 

@@ -45,11 +45,17 @@ def hardware_class(device) -> str:
 def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | None:
     """One line for a user decoding in `dtype` on `device` where speculation cannot pay, else None.
 
-    On a CPU without bf16 matrix units (and without oneDNN's bf16 kernels) torch multiplies bf16
-    on a slow path whose cost grows with every row: a 1-node tree step took 66 ms against 38 ms
-    for a plain step on our AVX2 CPU (trees/reports/smollm2-135m-hydrapp-bf16-avx2-search.md),
-    while float32 with packed kernels makes a 5-row step cost 1.2 one-row steps."""
+    On a CPU without bf16 matrix units and without entmtp's AVX2 bf16 kernels (`entmtp.kernels`:
+    no compiler to build them, or no AVX2) torch multiplies bf16 on a slow path whose cost grows
+    with every row: a 1-node tree step took 66 ms against 38 ms for a plain step on our AVX2 CPU
+    (trees/reports/smollm2-135m-hydrapp-bf16-avx2-search.md), while float32 with packed kernels
+    makes a 5-row step cost 1.2 one-row steps."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
         return None
-    return (f"note: this CPU ({hardware_class(device)}) has no bf16 matrix units: in bfloat16 a draft tree costs "
-            f"several one-token steps and speculative decoding is slower than plain decoding; {remedy}")
+    from .kernels import pack_method
+
+    method, why = pack_method(torch.bfloat16)
+    if method is not None:
+        return None
+    return (f"note: this CPU ({hardware_class(device)}) has no fast bf16 kernels ({why}): in bfloat16 a draft tree "
+            f"costs several one-token steps and speculative decoding is slower than plain decoding; {remedy}")

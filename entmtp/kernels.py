@@ -18,6 +18,12 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   tree forward and a one-token forward, so greedy outputs stay identical to `generate` except
   at exact near-ties; `entmtp bench` reports the identity rate of every run, and
   `kernels="stock"` keeps transformers' own kernels.
+* bfloat16 on a CPU with AVX2 but no bf16 instructions (oneDNN refuses bf16 there, torch falls
+  back to a slow loop: a 9-row forward cost 4.3 one-row ones) runs entmtp's own kernel
+  (`csrc/bf16_panels.cpp`, built once with torch's C++ extension builder): each weight repacked
+  once into 16-column panels, widened to fp32 in registers, fp32 accumulation -- the same exact
+  products in another order, within bf16 rounding of the stock kernel (probed per layer). One-row
+  forwards keep torch's kernel (that of `generate`); a 9-row forward costs ~1.3 one-row ones.
 
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -39,6 +47,11 @@ AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most
 
 PACKABLE = (torch.bfloat16, torch.float32)
 FP32_PROBE_RTOL = 1e-5  # a packed float32 layer may differ from F.linear by this much of its output scale
+# a bf16 panel layer may differ from the exact product (fp32 of the bf16 inputs) by this much of its
+# output scale: bf16 output rounding is at most 2^-8 relative, fp32 accumulation far below (torch's own
+# bf16 kernels are within the same bound)
+BF16_PANEL_PROBE_RTOL = 2.0 ** -8
+PANELS_SOURCE = Path(__file__).parent / "csrc" / "bf16_panels.cpp"
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,15 +71,64 @@ def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _probe_ok(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+@functools.lru_cache(maxsize=None)
+def _panels_unavailable() -> Optional[str]:
+    """None when entmtp's AVX2 bf16 panel kernels (csrc/bf16_panels.cpp) are loaded, else why not.
+
+    Built on first use (a C++ compiler and ninja; about 20 s) into `cache_dir()/kernels`, once per
+    torch version and source; later processes load the built library. ENTMTP_PANELS=0 disables them."""
+    if os.environ.get("ENTMTP_PANELS", "1") == "0":
+        return "entmtp's bf16 panel kernels are disabled (ENTMTP_PANELS=0)"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return f"entmtp's bf16 panel kernels need AVX2 and FMA (torch reports {cap})"
+    from torch.utils.cpp_extension import load
+
+    from .models import cache_dir
+
+    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        load(name="entmtp_bf16_panels", sources=[str(PANELS_SOURCE)], build_directory=str(build),
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say why, decode on stock
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return f"entmtp's bf16 panel kernels could not be built here ({first})"
+    return None
+
+
+def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:
+    """How this CPU packs `dtype` linears: ("onednn", None), ("panels", None) (bf16 without
+    oneDNN bf16 kernels: entmtp's AVX2 kernel), or (None, why not)."""
+    why = _packing_unavailable(dtype)
+    if why is None:
+        return "onednn", None
+    if dtype == torch.bfloat16:
+        why_panels = _panels_unavailable()
+        if why_panels is None:
+            return "panels", None
+        why = f"{why}; {why_panels}"
+    return None, why
+
+
+def _probe_ok(layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               rows: tuple[int, ...] = (1, 7)) -> bool:
-    """Whether the prepacked weight reproduces F.linear(x, weight, bias) on random inputs: bit for
-    bit in bfloat16, within FP32_PROBE_RTOL of the output scale in float32 (another summation order)."""
+    """Whether a packed layer reproduces F.linear(x, weight, bias) on random inputs: oneDNN bit
+    for bit in bfloat16 and within FP32_PROBE_RTOL of the output scale in float32 (another
+    summation order); panels within BF16_PANEL_PROBE_RTOL of the exact product."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for r in rows:
             x = torch.randn(r, weight.shape[1], generator=g).to(weight.dtype)
-            y, ref = packed_linear(x, packed, weight.shape[0], bias), nn.functional.linear(x, weight, bias)
+            y = layer(x)
+            if isinstance(layer, PanelLinear):
+                exact = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+                if not (y.float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30):
+                    return False
+                continue
+            ref = nn.functional.linear(x, weight, bias)
             if weight.dtype == torch.bfloat16:
                 if not torch.equal(y, ref):
                     return False
@@ -75,22 +137,27 @@ def _probe_ok(packed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return True
 
 
-def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [out, in] bf16 on CPU -> its oneDNN-prepacked copy, or None when that is not
-    available here or not bit-identical to `F.linear` on a random probe."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or _packing_unavailable(torch.bfloat16):
+def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
+    """weight [out, in] bf16 on CPU -> a packed bias-free layer x [..., in] -> [..., out] sharing
+    it (oneDNN's, else entmtp's AVX2 panels), or None when neither is available here or its probe
+    fails."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    w = weight.detach()
+    method, _ = pack_method(torch.bfloat16)
+    if method is None:
+        return None
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)  # shared, not copied
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        return packed if _probe_ok(packed, w) else None
+        layer = PackedLinear(lin) if method == "onednn" else PanelLinear(lin)
     except RuntimeError:
         return None
+    return layer if _probe_ok(layer, lin.weight) else None
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] @ W.T (+ bias) with W prepacked by `packed_weight` -> [..., out]."""
+    """x [..., in] @ W.T (+ bias) with W prepacked for oneDNN (`PackedLinear.packed`) -> [..., out]."""
     lead = x.shape[:-1]
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.reshape(*lead, out_features)
@@ -115,6 +182,32 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
+class PanelLinear(nn.Module):
+    """A bf16 `nn.Linear` whose weight is also kept in 16-column panels for entmtp's AVX2 kernel
+    (`csrc/bf16_panels.cpp`). x [..., in] -> [..., out].
+
+    One row (a plain decoding step) runs torch's own kernel, exactly as `generate` does; two or
+    more (draft trees, prompts) run the panel kernel, within bf16 rounding of torch's."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.panels = torch.ops.entmtp_cpu.bf16_pack_panels(linear.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] < 2:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = torch.ops.entmtp_cpu.bf16_panels_linear(x2, self.panels, self.out_features, self.bias, False)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, panels"
+
+
 def can_pack(model: nn.Module) -> Optional[str]:
     """None when `model` can run prepacked linears, else why not (one line)."""
     p = next(model.parameters(), None)
@@ -124,7 +217,7 @@ def can_pack(model: nn.Module) -> Optional[str]:
         return f"packed kernels are for CPU models (this one is on {p.device.type})"
     if p.dtype not in PACKABLE:
         return f"packed kernels are for bfloat16 and float32 models (this one is {str(p.dtype).removeprefix('torch.')})"
-    return _packing_unavailable(p.dtype)
+    return pack_method(p.dtype)[1]
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -150,16 +243,19 @@ def packed_twin(model: nn.Module) -> nn.Module:
     if why:
         raise ValueError(why)
     dtype = next(model.parameters()).dtype
+    layer_class = PackedLinear if pack_method(dtype)[0] == "onednn" else PanelLinear
     memo: dict[int, nn.Module] = {}
 
     def twin(mod: nn.Module) -> nn.Module:
         if id(mod) in memo:
             return memo[id(mod)]
         if type(mod) is nn.Linear and mod.weight.dtype == dtype:
-            new: nn.Module = PackedLinear(mod)
-            if not _probe_ok(new.packed, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
-                what = "bit-identical to" if dtype == torch.bfloat16 else f"within {FP32_PROBE_RTOL:g} of"
-                raise ValueError(f"the packed kernel is not {what} F.linear here ({mod.in_features}x{mod.out_features})")
+            new: nn.Module = layer_class(mod)
+            if not _probe_ok(new, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
+                what = ("bit-identical to F.linear" if layer_class is PackedLinear and dtype == torch.bfloat16
+                        else f"within {FP32_PROBE_RTOL:g} of F.linear" if layer_class is PackedLinear
+                        else f"within {BF16_PANEL_PROBE_RTOL:g} of the exact product")
+                raise ValueError(f"the packed kernel is not {what} here ({mod.in_features}x{mod.out_features})")
         else:
             new = copy.copy(mod)
             # own tables (a shallow copy would share them), same tensors and hook functions:
@@ -177,8 +273,8 @@ def packed_twin(model: nn.Module) -> nn.Module:
 
 def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
     """The model to decode with for a `kernels` policy: (model or its packed twin, "packed" or
-    "stock", why). "auto" packs where the probes pass (bf16: bit-identical; fp32: within
-    FP32_PROBE_RTOL) and the twin's extra memory is at most AUTO_MAX_BYTES; "packed" insists
+    "stock", why). "auto" packs where the probes pass (bf16 oneDNN: bit-identical; bf16 panels:
+    within bf16 rounding; fp32: within FP32_PROBE_RTOL) and the twin's extra memory is at most AUTO_MAX_BYTES; "packed" insists
     (ValueError when it cannot); "stock" never packs."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
@@ -192,6 +288,9 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
         try:
             twin = packed_twin(model)
             if next(model.parameters()).dtype == torch.bfloat16:
+                if pack_method(torch.bfloat16)[0] == "panels":
+                    return twin, "packed", ("bf16 linears in 16-column panels for entmtp's AVX2 kernel (fp32 "
+                                            "accumulation, within bf16 rounding of stock, probed; one-row steps stock)")
                 return twin, "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
             return twin, "packed", ("fp32 linears prepacked for oneDNN (another summation order, within "
                                     f"{FP32_PROBE_RTOL:g} of stock, probed; greedy identity with generate is measured)")
@@ -202,4 +301,5 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return model, "stock", why
 
 
-__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "packed_weight", "packed_linear", "can_pack", "linear_bytes", "packed_twin", "decode_model"]
+__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "pack_method", "packed_layer", "packed_linear",
+           "can_pack", "linear_bytes", "packed_twin", "decode_model"]

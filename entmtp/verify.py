@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .hardware import fast_bf16_matmul
-from .kernels import packed_linear, packed_weight
+from .kernels import packed_layer
 
 
 class UnsupportedModelError(RuntimeError):
@@ -130,7 +130,7 @@ class ScreenedGreedyHead:
         self.weight = weight  # [V, h] float32 (shared with the model, not copied)
         self.bias = bias
         self.weight_bf16 = weight.detach().to(torch.bfloat16)
-        self.packed_bf16 = packed_weight(self.weight_bf16)  # same products, no per-call relayout (entmtp.kernels)
+        self.packed_bf16 = packed_layer(self.weight_bf16)  # no per-call relayout (entmtp.kernels), within the bound
         self.row_norms = weight.detach().float().norm(dim=1)  # [V]
         h = weight.shape[1]
         self.rel = 1.01 * (2 * self.U + self.U ** 2 + (h + 8) * 2.0 ** -24)
@@ -166,7 +166,7 @@ class ScreenedGreedyHead:
         """hidden [n, h] fp32 -> (bf16 logits as fp32 [n, V], candidate mask [n, V])."""
         x = hidden.to(torch.bfloat16)
         if self.packed_bf16 is not None:
-            s = packed_linear(x, self.packed_bf16, self.weight_bf16.shape[0]).float()
+            s = self.packed_bf16(x).float()
         else:
             s = (x @ self.weight_bf16.T).float()
         if self.bias is not None:

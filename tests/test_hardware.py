@@ -19,8 +19,20 @@ def test_bf16_advice_only_where_speculation_cannot_pay():
     from entmtp.hardware import dtype_advice
 
     assert dtype_advice("cpu", torch.float32) is None and dtype_advice("cuda", torch.bfloat16) is None
+    from entmtp import kernels
+
     advice = dtype_advice("cpu", torch.bfloat16)
-    if fast_bf16_matmul():
+    if fast_bf16_matmul() or kernels.pack_method(torch.bfloat16)[0] is not None:
         assert advice is None
     else:
-        assert "no bf16 matrix units" in advice and "--dtype float32" in advice and "\n" not in advice
+        assert "no fast bf16 kernels" in advice and "--dtype float32" in advice and "\n" not in advice
+
+
+def test_bf16_advice_when_neither_bf16_units_nor_panels(monkeypatch):
+    """An AVX2 CPU that cannot build the panel kernels (no compiler) gets the note, with the reason."""
+    from entmtp import hardware, kernels
+
+    monkeypatch.setattr(hardware, "fast_bf16_matmul", lambda: False)
+    monkeypatch.setattr(kernels, "pack_method", lambda dtype: (None, "no compiler here"))
+    advice = hardware.dtype_advice("cpu", torch.bfloat16, remedy="load it in float32")
+    assert "no compiler here" in advice and advice.endswith("load it in float32") and "\n" not in advice

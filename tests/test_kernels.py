@@ -1,4 +1,5 @@
-"""Prepacked CPU linears: bit-identical to the stock kernels, a twin that leaves the model alone."""
+"""Prepacked CPU linears: oneDNN's (bit-identical in bf16, within rounding in fp32) and entmtp's
+AVX2 bf16 panels (within bf16 rounding of the exact product); a twin that leaves the model alone."""
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from entmtp.decoding import DecodeConfig, Engine
 from entmtp.trees import resolve_tree
 
 bf16_model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
-needs_pack = pytest.mark.skipif(kernels.can_pack(bf16_model) is not None,
-                                reason=f"no packed kernels here: {kernels.can_pack(bf16_model)}")
+# the bit-identity tests need oneDNN's bf16 kernels (AVX-512 / AMX CPUs)
+needs_pack = pytest.mark.skipif(kernels.pack_method(torch.bfloat16)[0] != "onednn",
+                                reason=f"no oneDNN bf16 kernels here: {kernels._packing_unavailable(torch.bfloat16)}")
+needs_panels = pytest.mark.skipif(kernels._panels_unavailable() is not None,
+                                  reason=f"no bf16 panel kernels here: {kernels._panels_unavailable()}")
 
 
 fp32_model = tiny_model("llama", vocab=96)
@@ -48,8 +52,7 @@ def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
     if kernels.can_pack(fp32_model) is not None:
         pytest.skip(kernels.can_pack(fp32_model))
     monkeypatch.setattr(kernels, "FP32_PROBE_RTOL", 0.0)
-    exact_here = kernels._probe_ok(torch.ops.mkldnn._reorder_linear_weight(fp32_model.lm_head.weight.detach()),
-                                   fp32_model.lm_head.weight.detach())
+    exact_here = kernels._probe_ok(kernels.PackedLinear(fp32_model.lm_head), fp32_model.lm_head.weight.detach())
     m, name, why = kernels.decode_model(fp32_model, "auto")
     if exact_here:  # this CPU's oneDNN happens to sum like F.linear: nothing to refuse
         assert name == "packed"
@@ -115,14 +118,40 @@ def test_a_cpu_without_bf16_reorder_falls_back_with_a_reason(monkeypatch):
 
     kernels._packing_unavailable.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
+    monkeypatch.setattr(kernels, "_panels_unavailable", lambda: "no compiler here")
     try:
         m, name, why = kernels.decode_model(bf16_model, "auto")
-        assert m is bf16_model and name == "stock" and "AVX-512" in why
+        assert m is bf16_model and name == "stock" and "AVX-512" in why and "no compiler here" in why
         with pytest.raises(ValueError, match="cannot use packed kernels: this CPU"):
             kernels.decode_model(bf16_model, "packed")
-        assert kernels.packed_weight(bf16_model.lm_head.weight) is None
+        assert kernels.packed_layer(bf16_model.lm_head.weight) is None
     finally:
         kernels._packing_unavailable.cache_clear()
+
+
+@needs_panels
+def test_a_cpu_without_onednn_bf16_uses_the_panels(monkeypatch):
+    """Where oneDNN refuses bf16 (AVX2 CPUs), auto decodes on entmtp's panel kernels instead."""
+    kernels._packing_unavailable.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
+    try:
+        assert kernels.pack_method(torch.bfloat16) == ("panels", None)
+        m, name, why = kernels.decode_model(bf16_model, "auto")
+        assert name == "packed" and "panels" in why and m is not bf16_model
+        n_lin = sum(type(x) is nn.Linear for x in bf16_model.modules())
+        assert sum(type(x) is kernels.PanelLinear for x in m.modules()) == n_lin
+        assert isinstance(kernels.packed_layer(bf16_model.lm_head.weight), kernels.PanelLinear)
+    finally:
+        kernels._packing_unavailable.cache_clear()
+
+
+def test_panels_can_be_switched_off(monkeypatch):
+    kernels._panels_unavailable.cache_clear()
+    monkeypatch.setenv("ENTMTP_PANELS", "0")
+    try:
+        assert "ENTMTP_PANELS=0" in kernels._panels_unavailable()
+    finally:
+        kernels._panels_unavailable.cache_clear()
 
 
 @needs_pack
@@ -178,21 +207,121 @@ def test_packed_heads_draft_the_same_tokens(kind, prefix):
             assert torch.equal(packed.advance(sa, more, more[-1]), stock.advance(sb, more, more[-1]))
 
 
-def test_packed_weight_only_where_exact_and_the_screen_uses_it():
-    from entmtp.kernels import packed_linear, packed_weight
+def test_packed_layer_only_for_bf16_and_the_screen_uses_it():
+    from entmtp.kernels import packed_layer
     from entmtp.verify import ScreenedGreedyHead
 
     w32 = torch.randn(40, 12)
-    assert packed_weight(w32) is None  # only the bf16 screen of a float32 head packs (packed_weight is bf16 only)
+    assert packed_layer(w32) is None  # only the bf16 screen of a float32 head packs (packed_layer is bf16 only)
     if kernels.can_pack(bf16_model) is not None:
         pytest.skip("no packed kernels here")
     w = w32.to(torch.bfloat16)
-    p = packed_weight(w)
-    assert p is not None
+    p = packed_layer(w)
+    assert p is not None and p.weight.data_ptr() == w.data_ptr()
     x = torch.randn(3, 2, 12).to(torch.bfloat16)
-    assert torch.equal(packed_linear(x, p, 40), x @ w.T)
+    with torch.inference_mode():
+        y = p(x)
+    if isinstance(p, kernels.PackedLinear):
+        assert torch.equal(y, x @ w.T)
+    else:
+        exact = x.float() @ w.float().T
+        assert y.shape == (3, 2, 40) and (y.float() - exact).abs().max() <= 2 ** -8 * exact.abs().max()
     head = ScreenedGreedyHead(w32 * 3)
     assert head.packed_bf16 is not None
     h = torch.randn(5, 12)
     targets, _ = head.targets(h)
     assert targets == (h @ (w32 * 3).T).argmax(1).tolist()
+
+
+def _exact_and_slack(x, w, bias=None):
+    """The exact product of bf16 inputs (fp32 of their values) and a bound on fp32 accumulation
+    error in any order: K 2^-23 (|x| @ |w|.T)."""
+    xf, wf = x.float(), w.float()
+    exact = xf @ wf.T + (0 if bias is None else bias.float())
+    return exact, w.shape[1] * 2.0 ** -23 * (xf.abs() @ wf.abs().T) + 1e-30
+
+
+@needs_panels
+@pytest.mark.parametrize("n,k", [(1, 1), (15, 7), (16, 8), (17, 33), (100, 64), (48, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_is_the_exact_product_up_to_rounding(n, k, bias):
+    """Every row count (the 6-row blocks and every remainder), panel tails (n not a multiple of 16)
+    and odd widths: fp32 output within accumulation error of the exact product, bf16 output its
+    round-to-nearest up to that error."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    panels = torch.ops.entmtp_cpu.bf16_pack_panels(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    for m in list(range(1, 14)) + [40]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        exact, slack = _exact_and_slack(x, w, b)
+        y32 = torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, n, b, True)
+        assert y32.dtype == torch.float32 and y32.shape == (m, n)
+        assert ((y32 - exact).abs() <= slack + 1e-6 * exact.abs()).all()
+        y16 = torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, n, b, False)
+        assert y16.dtype == torch.bfloat16
+        assert ((y16.float() - exact).abs() <= 2 ** -8 * exact.abs() + 2 * slack).all()
+
+
+@needs_panels
+def test_panel_kernel_refuses_mismatched_inputs():
+    w = torch.randn(20, 8).to(torch.bfloat16)
+    panels = torch.ops.entmtp_cpu.bf16_pack_panels(w)
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, 40, None, False)
+    with pytest.raises(RuntimeError, match="this input width"):
+        torch.ops.entmtp_cpu.bf16_panels_linear(torch.randn(3, 9).to(torch.bfloat16), panels, 20, None, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.entmtp_cpu.bf16_panels_linear(x.float(), panels, 20, None, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.entmtp_cpu.bf16_pack_panels(w.float())
+
+
+@needs_panels
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (7, 5), (1, 9, 5), (2, 3, 5)])
+def test_panel_linear_keeps_one_row_on_torch_and_shapes(shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 11).to(torch.bfloat16)
+    layer = kernels.PanelLinear(lin)
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    x = torch.randn(*shape).to(torch.bfloat16)
+    with torch.inference_mode():
+        y, ref = layer(x), lin(x)
+    assert y.shape == ref.shape == (*shape[:-1], 11)
+    rows = x.reshape(-1, 5).shape[0]
+    if rows == 1:
+        assert torch.equal(y, ref)  # a plain decoding step runs exactly generate's kernel
+    else:
+        exact, slack = _exact_and_slack(x.reshape(-1, 5), lin.weight, lin.bias)
+        assert ((y.reshape(-1, 11).float() - exact).abs() <= 2 ** -8 * exact.abs() + 2 * slack).all()
+
+
+@needs_panels
+def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
+    """On a model whose greedy choices are not near-ties, the panel twin (verification of trees and
+    the prompt on the panel kernel, drafting heads too) emits exactly the stock engine's tokens."""
+    kernels._packing_unavailable.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
+    try:
+        model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(4.0)  # margins far above bf16 rounding
+        heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
+        panels, stock = Engine(model, None, heads, kernels="packed"), Engine(model, None, heads, kernels="stock")
+        assert (panels.kernels, panels.runners["hydra"].kernels) == ("packed", "packed")
+        assert "panels" in panels.kernels_reason
+        ids = torch.randint(2, 96, (1, 13))
+        with torch.inference_mode():
+            a, b = model(ids).logits, panels.decode_model(ids).logits
+        assert (a.float() - b.float()).abs().max() <= 0.02 * a.float().abs().max()
+        tree = resolve_tree("mc_sim_7b_63").truncated(4)
+        cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
+        for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
+            want = stock.run(prompt, config=cfg).tokens
+            assert panels.run(prompt, config=cfg).tokens == want
+            got = panels.run(prompt, heads="hydra", tree=tree, config=cfg)
+            assert got.tokens == want and len(got.tokens) == 40
+    finally:
+        kernels._packing_unavailable.cache_clear()
