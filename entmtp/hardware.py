@@ -48,7 +48,7 @@ def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | No
     On a CPU without bf16 matrix units and without entmtp's AVX2 bf16 kernels (`entmtp.kernels`:
     no compiler to build them, or no AVX2) torch multiplies bf16 on a slow path whose cost grows
     with every row: a 1-node tree step took 66 ms against 38 ms for a plain step on our AVX2 CPU
-    (trees/reports/smollm2-135m-hydrapp-bf16-avx2-search.md), while float32 with packed kernels
+    (trees/reports/smollm2-135m-hydrapp-bf16-avx2-stock-search.md), while float32 with packed kernels
     makes a 5-row step cost 1.2 one-row steps."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
         return None

@@ -3,8 +3,9 @@
 Times, interleaved and as medians: (1) every linear layer of the model (30 layers' q/k/v/o and
 MLP projections, then the lm_head) on inputs of 1, 4, 9, 16 and 32 rows; (2) a whole model forward
 of that many tokens after a 200-token cache (with a tree-shaped mask for > 1 token), stock model
-vs its packed twin; and compares the outputs (bfloat16: bit-identical; float32: the largest
-difference relative to the output scale). Prints ratios; no asserts.
+vs its packed twin; and compares the outputs (bfloat16 on oneDNN: bit-identical; float32, and
+bfloat16 on entmtp's AVX2 panels: the largest difference relative to the output scale). Prints
+ratios; no asserts.
 
     python scripts/bench_kernels.py [--model default] [--dtype bfloat16] [--rows 1,4,9,16,32] [--repeats 15]
 """
@@ -37,7 +38,7 @@ def main() -> int:
     ap.add_argument("--past", type=int, default=200, help="cached tokens before the timed forward")
     args = ap.parse_args()
 
-    from entmtp.kernels import PackedLinear, can_pack, packed_twin
+    from entmtp.kernels import PackedLinear, PanelLinear, can_pack, pack_method, packed_twin
     from entmtp.models import load_base
     from entmtp.verify import tree_mask
 
@@ -48,14 +49,16 @@ def main() -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     twin = packed_twin(model)
+    method = pack_method(dt)[0]
+    bitwise = dt == torch.bfloat16 and method == "onednn"
     stock_lin = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    packed_lin = [m for m in twin.modules() if type(m) is PackedLinear]
+    packed_lin = [m for m in twin.modules() if type(m) in (PackedLinear, PanelLinear)]
     print(f"{len(stock_lin)} linear layers, {sum(m.weight.numel() * m.weight.element_size() for m in stock_lin) / 2**20:.0f} MiB of {args.dtype} weights "
-          f"(the lm_head shares the embedding); torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"(the lm_head shares the embedding); packed: {method}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     print("\nrows | all linears: stock ms | packed ms | stock/packed | whole forward: stock ms | packed ms | stock/packed | "
-          + ("identical" if dt == torch.bfloat16 else "max |diff| / max |logit|"))
+          + ("identical" if bitwise else "max |diff| / max |logit|"))
     print("---|---|---|---|---|---|---|---")
     with torch.inference_mode():
         for r in rows:
@@ -90,7 +93,7 @@ def main() -> int:
             rel = ((outs["stock"] - outs["packed"]).abs().max() / outs["stock"].abs().max()).item()
             ls, lp = statistics.median(lin["stock"]), statistics.median(lin["packed"])
             print(f"{r} | {ls:.1f} | {lp:.1f} | {ls / lp:.2f}x | {fwd['stock']:.1f} | {fwd['packed']:.1f} | "
-                  f"{fwd['stock'] / fwd['packed']:.2f}x | " + (('yes' if same else 'NO') if dt == torch.bfloat16 else f"{rel:.1e}"))
+                  f"{fwd['stock'] / fwd['packed']:.2f}x | " + (('yes' if same else 'NO') if bitwise else f"{rel:.1e}"))
     return 0
 
 
