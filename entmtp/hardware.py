@@ -1,9 +1,10 @@
 """What the decoding hardware is, in the terms tree calibration needs.
 
 A draft tree is chosen by expected tokens/s = tau / step time, and step time depends on the
-matrix units far more than on the model: on an AVX-512-BF16 CPU a bf16 forward over a 5-row
-tree costs about one 1-row step (SmolLM2-135M), on an AVX2-only CPU (no bf16 instructions,
-oneDNN refuses bf16) about 2.5 one-row steps and a 33-row tree 10 (`scripts/step_rows.py`).
+matrix units and kernels far more than on the model: on an AVX-512-BF16 CPU a bf16 forward over
+a 5-row tree costs about one 1-row step (SmolLM2-135M); on an AVX2-only CPU (no bf16 instructions,
+oneDNN refuses bf16) torch's own bf16 path made it 2.6 one-row steps and a 33-row tree 14, entmtp's
+AVX2 panel kernels (`entmtp.kernels`) 1.2 and 3.1 (`scripts/step_rows.py`).
 A tree calibrated on one class of CPU can thus be slower than plain decoding on another, so
 calibrated trees and banks are recorded per hardware class (`hardware_class`) and looked up
 by it (`entmtp.scheduler.recorded_default`).

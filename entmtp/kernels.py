@@ -163,37 +163,46 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return y.reshape(*lead, out_features)
 
 
-class PackedLinear(nn.Module):
-    """An `nn.Linear` whose weight is also kept prepacked for oneDNN. x [..., in] -> [..., out].
+class _PackedBase(nn.Module):
+    """An `nn.Linear` whose weight is also kept in a kernel's own layout. x [..., in] -> [..., out].
 
     `weight` and `bias` are the original (shared) parameters, for code that reads them."""
+
+    layout = ""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.layout}"
+
+
+class PackedLinear(_PackedBase):
+    """Weight prepacked for oneDNN."""
+
+    layout = "packed"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.out_features, self.bias)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
-
-class PanelLinear(nn.Module):
-    """A bf16 `nn.Linear` whose weight is also kept in 16-column panels for entmtp's AVX2 kernel
-    (`csrc/bf16_panels.cpp`). x [..., in] -> [..., out].
+class PanelLinear(_PackedBase):
+    """bf16 weight also kept in 16-column panels for entmtp's AVX2 kernel (`csrc/bf16_panels.cpp`).
 
     One row (a plain decoding step) runs torch's own kernel, exactly as `generate` does; two or
     more (draft trees, prompts) run the panel kernel, within bf16 rounding of torch's."""
 
+    layout = "panels"
+
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         self.panels = torch.ops.entmtp_cpu.bf16_pack_panels(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +212,6 @@ class PanelLinear(nn.Module):
             return nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.entmtp_cpu.bf16_panels_linear(x2, self.panels, self.out_features, self.bias, False)
         return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, panels"
 
 
 def can_pack(model: nn.Module) -> Optional[str]:

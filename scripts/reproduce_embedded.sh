@@ -80,16 +80,20 @@ python -m entmtp search --model default --heads hydra++ --data runs/calib_prompt
   --budgets 4,8,16,32,64 --dtype float32 --max-prompts 200 --max-new-tokens 64 --no-progress \
   --out runs/search-hydrapp-fp32 --save-trees-to trees/ --tag fp32
 python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrapp
-#    The float32 trees and bank for CPUs without bf16 units (hardware class cpu-avx2: an AVX2-only
-#    CPU, session 11, packed float32 kernels). Run on such a machine; recorded as
-#    default_tree_float32@cpu-avx2, used only there (entmtp.hardware).
+#    The trees and banks for CPUs without bf16 units (hardware class cpu-avx2: an AVX2-only CPU):
+#    float32 with packed oneDNN kernels (session 11) and bfloat16 with entmtp's AVX2 panel kernels
+#    (session 12, entmtp/csrc). Run on such a machine; recorded as default_tree_<dtype>@cpu-avx2,
+#    used only there (entmtp.hardware).
 if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_class("cpu"))')" = cpu-avx2 ]; then
-  for heads in hydra++ hydra medusa; do
-    python -m entmtp search --model default --heads "$heads" --data runs/calib_prompts.jsonl \
-      --budgets 4,8,16,32,64 --dtype float32 --max-prompts 200 --max-new-tokens 64 --no-progress \
-      --out "runs/search-${heads/++/pp}-fp32-avx2" --save-trees-to trees/ --tag fp32-avx2
+  for dt in float32:fp32 bfloat16:bf16; do
+    dtype=${dt%%:*}; short=${dt##*:}
+    for heads in hydra++ hydra medusa; do
+      python -m entmtp search --model default --heads "$heads" --data runs/calib_prompts.jsonl \
+        --budgets 4,8,16,32,64 --dtype "$dtype" --max-prompts 200 --max-new-tokens 64 --no-progress \
+        --out "runs/search-${heads/++/pp}-$short-avx2" --save-trees-to trees/ --tag "$short-avx2"
+    done
+    python scripts/record_default_trees.py --dtype "$dtype" --hardware cpu-avx2 --tag "$short-avx2" --kinds hydrapp,hydra,medusa
   done
-  python scripts/record_default_trees.py --dtype float32 --hardware cpu-avx2 --tag fp32-avx2 --kinds hydrapp,hydra,medusa
 fi
 
 # 4. benchmarks on the held-out bench set
