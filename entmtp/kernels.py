@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -71,6 +72,22 @@ def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+STALE_BUILD_LOCK_S = 600  # no build of the panel kernels takes this long
+
+
+def _clear_stale_build_lock(build: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove a build lock left by a process killed mid-build (torch's builder would wait on it
+    forever); a fresh lock (another process building now) is left alone. True when removed."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _panels_unavailable() -> Optional[str]:
     """None when entmtp's AVX2 bf16 panel kernels (csrc/bf16_panels.cpp) are loaded, else why not.
@@ -89,6 +106,7 @@ def _panels_unavailable() -> Optional[str]:
     build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
     try:
         build.mkdir(parents=True, exist_ok=True)
+        _clear_stale_build_lock(build)
         load(name="entmtp_bf16_panels", sources=[str(PANELS_SOURCE)], build_directory=str(build),
              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)

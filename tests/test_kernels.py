@@ -325,3 +325,33 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
             assert got.tokens == want and len(got.tokens) == 40
     finally:
         kernels._packing_unavailable.cache_clear()
+
+
+def test_a_stale_build_lock_is_cleared_a_fresh_one_kept(tmp_path):
+    """A build killed mid-way leaves torch's lock file, on which every later build would wait forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert not kernels._clear_stale_build_lock(tmp_path)  # no lock: nothing to do
+    lock.write_text("")
+    assert not kernels._clear_stale_build_lock(tmp_path) and lock.exists()  # someone is building now
+    old = time.time() - kernels.STALE_BUILD_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert kernels._clear_stale_build_lock(tmp_path) and not lock.exists()
+
+
+def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
+    """No compiler, no ninja or a broken source: one line saying why, and decoding stays on stock."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "PANELS_SOURCE", broken)
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the panels are not tried on this CPU")
+    kernels._panels_unavailable.cache_clear()
+    try:
+        why = kernels._panels_unavailable()
+        assert why.startswith("entmtp's bf16 panel kernels could not be built here (") and "\n" not in why
+    finally:
+        kernels._panels_unavailable.cache_clear()
