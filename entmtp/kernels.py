@@ -23,7 +23,7 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   (`csrc/bf16_panels.cpp`, built once with torch's C++ extension builder): each weight repacked
   once into 16-column panels, widened to fp32 in registers, fp32 accumulation -- the same exact
   products in another order, within bf16 rounding of the stock kernel (probed per layer). One-row
-  forwards keep torch's kernel (that of `generate`); a 9-row forward costs ~1.3 one-row ones.
+  forwards keep torch's kernel (that of `generate`); a 9-row forward costs ~1.2 one-row ones.
 
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
