@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -99,15 +100,21 @@ def _panels_unavailable() -> Optional[str]:
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in ("AVX2", "AVX512"):
         return f"entmtp's bf16 panel kernels need AVX2 and FMA (torch reports {cap})"
+    if _panel_ops_registered():
+        return None  # loaded earlier in this process: a second library would register the ops again (abort)
     from torch.utils.cpp_extension import load
 
     from .models import cache_dir
 
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    # one name per source (its hash), so torch's builder never renames a rebuilt library and a
+    # process never loads two libraries registering the same ops
+    source = PANELS_SOURCE.read_bytes() if PANELS_SOURCE.is_file() else b""
+    name = f"entmtp_bf16_panels_{hashlib.sha256(source).hexdigest()[:10]}"
+    build = cache_dir() / "kernels" / f"{name}-torch-{torch.__version__}"
     try:
         build.mkdir(parents=True, exist_ok=True)
         _clear_stale_build_lock(build)
-        load(name="entmtp_bf16_panels", sources=[str(PANELS_SOURCE)], build_directory=str(build),
+        load(name=name, sources=[str(PANELS_SOURCE)], build_directory=str(build),
              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))
@@ -115,6 +122,14 @@ def _panels_unavailable() -> Optional[str]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return f"entmtp's bf16 panel kernels could not be built here ({first})"
     return None
+
+
+def _panel_ops_registered() -> bool:
+    """Whether this process has already loaded the panel ops (torch.ops.entmtp_cpu.*)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("entmtp_cpu::bf16_panels_linear", "CPU")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:

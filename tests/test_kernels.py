@@ -349,9 +349,17 @@ def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "PANELS_SOURCE", broken)
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("the panels are not tried on this CPU")
+    available = kernels._panels_unavailable() is None
+    monkeypatch.setattr(kernels, "_panel_ops_registered", lambda: False)  # try the build even if loaded
     kernels._panels_unavailable.cache_clear()
     try:
         why = kernels._panels_unavailable()
         assert why.startswith("entmtp's bf16 panel kernels could not be built here (") and "\n" not in why
     finally:
         kernels._panels_unavailable.cache_clear()
+        monkeypatch.undo()
+    # asking again in the same process neither rebuilds nor loads a second library registering the
+    # same ops (that aborts the process): the loaded ops are reused
+    assert (kernels._panels_unavailable() is None) == available
+    kernels._panels_unavailable.cache_clear()
+    assert (kernels._panels_unavailable() is None) == available
