@@ -32,10 +32,13 @@ calibration on it run the stock kernels.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -114,14 +117,35 @@ def _panels_unavailable() -> Optional[str]:
     try:
         build.mkdir(parents=True, exist_ok=True)
         _clear_stale_build_lock(build)
-        load(name=name, sources=[str(PANELS_SOURCE)], build_directory=str(build),
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        with _ninja_on_path():
+            load(name=name, sources=[str(PANELS_SOURCE)], build_directory=str(build),
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say why, decode on stock
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return f"entmtp's bf16 panel kernels could not be built here ({first})"
     return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's builder runs `ninja` from PATH; the pip-installed one lives beside this Python (a
+    virtual environment's bin/), which is not on PATH when the environment is not activated."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        extra = [os.path.dirname(sys.executable)]
+        try:
+            import ninja
+
+            extra.insert(0, ninja.BIN_DIR)
+        except (ImportError, AttributeError):
+            pass
+        os.environ["PATH"] = os.pathsep.join(extra + [old])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _panel_ops_registered() -> bool:

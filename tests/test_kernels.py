@@ -363,3 +363,16 @@ def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
     assert (kernels._panels_unavailable() is None) == available
     kernels._panels_unavailable.cache_clear()
     assert (kernels._panels_unavailable() is None) == available
+
+
+def test_the_pip_ninja_is_found_without_an_activated_environment(monkeypatch):
+    """`.venv/bin/python app.py` does not put .venv/bin on PATH, where pip installs ninja."""
+    import os
+    import shutil
+
+    pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    with kernels._ninja_on_path():
+        assert shutil.which("ninja") is not None
+    assert os.environ["PATH"] == "/nonexistent"
