@@ -170,28 +170,13 @@ def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:
     return None, why
 
 
-def _probe_ok(layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              rows: tuple[int, ...] = (1, 7)) -> bool:
-    """Whether a packed layer reproduces F.linear(x, weight, bias) on random inputs: oneDNN bit
-    for bit in bfloat16 and within FP32_PROBE_RTOL of the output scale in float32 (another
-    summation order); panels within BF16_PANEL_PROBE_RTOL of the exact product."""
+def _probe_ok(layer: "_PackedBase", rows: tuple[int, ...] = (1, 7)) -> bool:
+    """Whether a packed layer keeps its claim (`layer.claim`, `layer.matches`) on random inputs
+    of each row count."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for r in rows:
-            x = torch.randn(r, weight.shape[1], generator=g).to(weight.dtype)
-            y = layer(x)
-            if isinstance(layer, PanelLinear):
-                exact = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-                if not (y.float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30):
-                    return False
-                continue
-            ref = nn.functional.linear(x, weight, bias)
-            if weight.dtype == torch.bfloat16:
-                if not torch.equal(y, ref):
-                    return False
-            elif not (y - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30):
-                return False
-    return True
+        return all(layer.matches(torch.randn(r, layer.in_features, generator=g).to(layer.weight.dtype))
+                   for r in rows)
 
 
 def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
@@ -209,7 +194,7 @@ def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
         layer = PackedLinear(lin) if method == "onednn" else PanelLinear(lin)
     except RuntimeError:
         return None
-    return layer if _probe_ok(layer, lin.weight) else None
+    return layer if _probe_ok(layer) else None
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -236,6 +221,15 @@ class _PackedBase(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.layout}"
 
+    @property
+    def claim(self) -> str:
+        """How close to torch's product this layer's output is promised to be (`matches` checks it)."""
+        raise NotImplementedError
+
+    def matches(self, x: torch.Tensor) -> bool:
+        """x [r, in] -> whether this layer's output on x keeps `claim`."""
+        raise NotImplementedError
+
 
 class PackedLinear(_PackedBase):
     """Weight prepacked for oneDNN."""
@@ -248,6 +242,19 @@ class PackedLinear(_PackedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.out_features, self.bias)
+
+    @property
+    def claim(self) -> str:
+        # bf16: the same kernel as F.linear without its per-call relayout; fp32: another summation order
+        if self.weight.dtype == torch.bfloat16:
+            return "bit-identical to F.linear"
+        return f"within {FP32_PROBE_RTOL:g} of F.linear"
+
+    def matches(self, x: torch.Tensor) -> bool:
+        y, ref = self(x), nn.functional.linear(x, self.weight, self.bias)
+        if self.weight.dtype == torch.bfloat16:
+            return torch.equal(y, ref)
+        return bool((y - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
 
 
 class PanelLinear(_PackedBase):
@@ -269,6 +276,14 @@ class PanelLinear(_PackedBase):
             return nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.entmtp_cpu.bf16_panels_linear(x2, self.panels, self.out_features, self.bias, False)
         return y.reshape(*lead, self.out_features)
+
+    @property
+    def claim(self) -> str:
+        return f"within {BF16_PANEL_PROBE_RTOL:g} of the exact product"
+
+    def matches(self, x: torch.Tensor) -> bool:
+        exact = nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return bool((self(x).float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30))
 
 
 def can_pack(model: nn.Module) -> Optional[str]:
@@ -314,11 +329,8 @@ def packed_twin(model: nn.Module) -> nn.Module:
             return memo[id(mod)]
         if type(mod) is nn.Linear and mod.weight.dtype == dtype:
             new: nn.Module = layer_class(mod)
-            if not _probe_ok(new, mod.weight.detach(), None if mod.bias is None else mod.bias.detach()):
-                what = ("bit-identical to F.linear" if layer_class is PackedLinear and dtype == torch.bfloat16
-                        else f"within {FP32_PROBE_RTOL:g} of F.linear" if layer_class is PackedLinear
-                        else f"within {BF16_PANEL_PROBE_RTOL:g} of the exact product")
-                raise ValueError(f"the packed kernel is not {what} here ({mod.in_features}x{mod.out_features})")
+            if not _probe_ok(new):
+                raise ValueError(f"the packed kernel is not {new.claim} here ({mod.in_features}x{mod.out_features})")
         else:
             new = copy.copy(mod)
             # own tables (a shallow copy would share them), same tensors and hook functions:

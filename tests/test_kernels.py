@@ -52,7 +52,7 @@ def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
     if kernels.can_pack(fp32_model) is not None:
         pytest.skip(kernels.can_pack(fp32_model))
     monkeypatch.setattr(kernels, "FP32_PROBE_RTOL", 0.0)
-    exact_here = kernels._probe_ok(kernels.PackedLinear(fp32_model.lm_head), fp32_model.lm_head.weight.detach())
+    exact_here = kernels._probe_ok(kernels.PackedLinear(fp32_model.lm_head))
     m, name, why = kernels.decode_model(fp32_model, "auto")
     if exact_here:  # this CPU's oneDNN happens to sum like F.linear: nothing to refuse
         assert name == "packed"
