@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels import can_pack, packed_twin
+from .kernels import can_pack, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -367,8 +367,7 @@ class HeadRunner:
         self.compute, self.kernels = self.heads, "stock"
         self.lm = None
         if self.lm_weight is not None:
-            self.lm = nn.Linear(self.lm_weight.shape[1], self.lm_weight.shape[0], bias=False, device="meta")
-            self.lm.weight = nn.Parameter(self.lm_weight.detach(), requires_grad=False)  # shared, not copied
+            self.lm = shared_linear(self.lm_weight)
         if kernels != "stock" and can_pack(self.heads) is None:
             try:
                 self.compute = packed_twin(self.heads)

@@ -179,6 +179,13 @@ def _probe_ok(layer: "_PackedBase", rows: tuple[int, ...] = (1, 7)) -> bool:
                    for r in rows)
 
 
+def shared_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free `nn.Linear` whose weight is `weight` [out, in] itself (shared, not copied)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return lin
+
+
 def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
     """weight [out, in] bf16 on CPU -> a packed bias-free layer x [..., in] -> [..., out] sharing
     it (oneDNN's, else entmtp's AVX2 panels), or None when neither is available here or its probe
@@ -188,8 +195,7 @@ def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
     method, _ = pack_method(torch.bfloat16)
     if method is None:
         return None
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)  # shared, not copied
+    lin = shared_linear(weight)
     try:
         layer = PackedLinear(lin) if method == "onednn" else PanelLinear(lin)
     except RuntimeError:
@@ -376,5 +382,5 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return model, "stock", why
 
 
-__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "pack_method", "packed_layer", "packed_linear",
+__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "pack_method", "shared_linear", "packed_layer", "packed_linear",
            "can_pack", "linear_bytes", "packed_twin", "decode_model"]
