@@ -1129,7 +1129,7 @@ def machine_info() -> dict:
 def latency_key(engine: Engine, heads: str) -> dict:
     """What a cached latency model depends on: the architecture (config, not the path or the
     weights), device and its hardware class, dtype, the heads' shape, the CPU threads and the
-    decoding kernels."""
+    decoding kernels (their kind and what they are)."""
     from .hardware import hardware_class
     from .models import describe_model
 
@@ -1144,7 +1144,9 @@ def latency_key(engine: Engine, heads: str) -> dict:
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,
             "threads": torch.get_num_threads() if engine.device.type == "cpu" else None, "torch": torch.__version__,
-            "kernels": [getattr(engine, "kernels", "stock"), getattr(engine.runners[heads], "kernels", "stock")]}
+            "kernels": [getattr(engine, "kernels", "stock"), getattr(engine.runners[heads], "kernels", "stock")],
+            # which kernels exactly (panels, fused norms and MLPs, float32 attention): a step's cost changes with them
+            "kernels_reason": getattr(engine, "kernels_reason", None)}
 
 
 def latency_cache_path(engine: Engine, heads: str) -> Path:

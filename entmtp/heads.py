@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import fp32_attention_wanted, fp32_sdpa
 from .kernels import can_pack, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
@@ -147,15 +148,24 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+          is_causal: bool = False) -> torch.Tensor:
+    """q [B, H, T, d], k/v [B, Hkv, S, d] -> [B, H, T, d] (grouped-query when Hkv < H)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
 @dataclass
 class PrefixState:
     """Per-request KV of the Hydra++ layer: storage keys/values [1, kv_heads, capacity, head_dim]
     of which the first `length` positions are used. The storage grows by doubling, so a step
-    copies only its new tokens' keys/values, not the whole history."""
+    copies only its new tokens' keys/values, not the whole history. `dtype` float32 keeps them
+    (and the layer's attention) in float32 for bf16 heads on a CPU without bf16 matrix units
+    (`entmtp.attention`); None keeps the layer's dtype."""
 
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     length: int = 0
+    dtype: Optional[torch.dtype] = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, kv_heads, T, d] -> every key/value so far, views [B, kv_heads, length + T, d]."""
@@ -214,17 +224,19 @@ class PrefixLayer(nn.Module):
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = _rope(q, pos, inv), _rope(k, pos, inv)
+        attend = _sdpa
         if state is not None:
+            if state.dtype is not None:
+                k, v, attend = k.to(state.dtype), v.to(state.dtype), fp32_sdpa
             k, v = state.append(k, v)
-        gqa = self.n_heads != self.n_kv
         if past == 0:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            att = attend(q, k, v, is_causal=True)
         elif T == 1:  # one new token sees every key: no mask
-            att = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            att = attend(q, k, v)
         else:
             # new token i (absolute past+i) sees keys 0..past+i
             allow = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, enable_gqa=gqa)
+            att = attend(q, k, v, allow)
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
@@ -375,6 +387,8 @@ class HeadRunner:
                 self.kernels = "packed"
             except ValueError:
                 self.compute, self.kernels = self.heads, "stock"
+        # the Hydra++ layer's per-request keys/values and attention in float32 where bf16 attention is slow
+        self.prefix_dtype = torch.float32 if kernels != "stock" and fp32_attention_wanted(self.dtype, self.device) else None
 
     @property
     def label(self) -> str:
@@ -388,7 +402,7 @@ class HeadRunner:
         hidden = hidden.to(self.dtype)
         if self.compute.prefix is None:
             return None, hidden[-1]
-        state = PrefixState()
+        state = PrefixState(dtype=self.prefix_dtype)
         out = self.compute.prefix(hidden[None], state)
         return state, out[0, -1]
 

@@ -22,8 +22,12 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   back to a slow loop: a 9-row forward cost 4.3 one-row ones) runs entmtp's own kernel
   (`csrc/bf16_panels.cpp`, built once with torch's C++ extension builder): each weight repacked
   once into 16-column panels, widened to fp32 in registers, fp32 accumulation -- the same exact
-  products in another order, within bf16 rounding of the stock kernel (probed per layer). One-row
-  forwards keep torch's kernel (that of `generate`); a 9-row forward costs ~1.2 one-row ones.
+  products in another order, within bf16 rounding of the stock kernel (probed per layer); a 9-row
+  forward costs ~1.2 one-row ones. The same library fuses what costs more dispatch than
+  arithmetic: Llama-style RMSNorms (`FusedRMSNorm`, one op instead of eight) and gated MLPs
+  (`FusedMLP`: gate and up as one panel product, silu x up in fp32, three ops instead of five
+  module calls), each probed against the module it replaces; with float32 attention
+  (`entmtp.attention`) a one-row bf16 step of SmolLM2-135M here fell from ~41 to ~31 ms.
 
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
@@ -41,7 +45,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -170,13 +174,13 @@ def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:
     return None, why
 
 
-def _probe_ok(layer: "_PackedBase", rows: tuple[int, ...] = (1, 7)) -> bool:
-    """Whether a packed layer keeps its claim (`layer.claim`, `layer.matches`) on random inputs
-    of each row count."""
+def _probe_ok(layer: nn.Module, rows: tuple[int, ...] = (1, 7)) -> bool:
+    """Whether a packed or fused layer keeps its claim (`layer.claim`, `layer.matches`) on random
+    inputs [r, layer.in_features] of each row count r."""
     g = torch.Generator().manual_seed(0)
+    dtype = next(layer.parameters()).dtype
     with torch.no_grad():
-        return all(layer.matches(torch.randn(r, layer.in_features, generator=g).to(layer.weight.dtype))
-                   for r in rows)
+        return all(layer.matches(torch.randn(r, layer.in_features, generator=g).to(dtype)) for r in rows)
 
 
 def shared_linear(weight: torch.Tensor) -> nn.Linear:
@@ -266,8 +270,9 @@ class PackedLinear(_PackedBase):
 class PanelLinear(_PackedBase):
     """bf16 weight also kept in 16-column panels for entmtp's AVX2 kernel (`csrc/bf16_panels.cpp`).
 
-    One row (a plain decoding step) runs torch's own kernel, exactly as `generate` does; two or
-    more (draft trees, prompts) run the panel kernel, within bf16 rounding of torch's."""
+    Every row count runs the panel kernel, within bf16 rounding of torch's (a one-row step too:
+    faster than torch's bf16 kernel here, and identity with `generate` is lost anyway once the
+    prompt, attention and norms run on other kernels)."""
 
     layout = "panels"
 
@@ -276,12 +281,7 @@ class PanelLinear(_PackedBase):
         self.panels = torch.ops.entmtp_cpu.bf16_pack_panels(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < 2:
-            return nn.functional.linear(x, self.weight, self.bias)
-        y = torch.ops.entmtp_cpu.bf16_panels_linear(x2, self.panels, self.out_features, self.bias, False)
-        return y.reshape(*lead, self.out_features)
+        return torch.ops.entmtp_cpu.bf16_panels_linear(x, self.panels, self.out_features, self.bias, False)
 
     @property
     def claim(self) -> str:
@@ -290,6 +290,78 @@ class PanelLinear(_PackedBase):
     def matches(self, x: torch.Tensor) -> bool:
         exact = nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return bool((self(x).float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30))
+
+
+class FusedRMSNorm(nn.Module):
+    """A Llama-style RMSNorm, weight * bf16(x * rsqrt(mean(x^2) + eps)) computed in fp32, as one
+    op of entmtp's kernel library instead of eight (each costing more dispatch than arithmetic).
+    x [..., h] bf16 -> [..., h] bf16. `weight` is the original (shared) parameter."""
+
+    claim = "within bf16 rounding of the RMSNorm it replaces"
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.in_features = norm.weight.shape[0]
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+        self.__dict__["_reference"] = norm.forward  # the replaced forward, for `matches` (not a submodule)
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        """Whether `mod` looks like an RMSNorm this op computes (the probe then checks it does)."""
+        w = getattr(mod, "weight", None)
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        return (type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1
+                and w.dtype == torch.bfloat16 and isinstance(eps, float) and not mod._modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.entmtp_cpu.bf16_rms_norm(x, self.weight, self.eps)
+
+    def matches(self, x: torch.Tensor) -> bool:
+        ref = self._reference(x).float()
+        return bool((self(x).float() - ref).abs().max() <= BF16_PANEL_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
+
+
+class FusedMLP(nn.Module):
+    """A gated MLP down(silu(gate(x)) * up(x)) on the panels in three op calls: gate and up as one
+    panel product (fp32 sums), silu(gate) * up fused in fp32, fp32 into down_proj, rounded to bf16
+    once at the end. x [..., h] bf16 -> [..., h] bf16, within bf16 rounding of the exact product
+    (torch's rounds three times on the way, and takes five module calls and five ops)."""
+
+    claim = "within bf16 rounding of the exact gated MLP"
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_weight, self.up_weight, self.down_weight = g.weight, u.weight, d.weight  # shared parameters
+        self.in_features, self.inter, self.out_features = g.in_features, g.out_features, d.out_features
+        self.gate_up = torch.ops.entmtp_cpu.bf16_pack_panels(torch.cat([g.weight.detach(), u.weight.detach()]))
+        self.down = torch.ops.entmtp_cpu.bf16_pack_panels(d.weight.detach())
+        self.__dict__["_reference"] = mlp.forward
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        """Whether `mod` looks like a bias-free bf16 SiLU gated MLP (the probe then checks it is one)."""
+        lins = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        act = getattr(mod, "act_fn", None)
+        return (all(type(x) is nn.Linear and x.bias is None and x.weight.dtype == torch.bfloat16 for x in lins)
+                and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+                and set(mod._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.entmtp_cpu
+        gu = ops.bf16_panels_linear(x, self.gate_up, 2 * self.inter, None, True)
+        return ops.bf16_panels_linear(ops.silu_mul(gu), self.down, self.out_features, None, False)
+
+    def matches(self, x: torch.Tensor) -> bool:
+        f = lambda w: w.float()  # noqa: E731
+        xf = x.float()
+        exact = nn.functional.linear(nn.functional.silu(xf @ f(self.gate_weight).T) * (xf @ f(self.up_weight).T), f(self.down_weight))
+        tol = BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30)
+        # ours within one rounding of the exact MLP, and the module's own forward near it too
+        # (it is this formula: three bf16 roundings on the way)
+        return bool((self(x).float() - exact).abs().max() <= tol
+                    and (self._reference(x).float() - exact).abs().max() <= 8 * tol)
 
 
 def can_pack(model: nn.Module) -> Optional[str]:
@@ -317,27 +389,18 @@ def linear_bytes(model: nn.Module) -> int:
     return sum(w.numel() * w.element_size() for w in seen.values())
 
 
-def packed_twin(model: nn.Module) -> nn.Module:
-    """A twin of `model` whose `nn.Linear` layers of its dtype are `PackedLinear`s, all else shared.
-
-    Modules are shallow copies (their own module, parameter, buffer and hook tables, the same
-    tensors), so `model` is not modified and hooks added to it later do not fire on the twin.
-    Raises ValueError (with `can_pack`'s reason, or the first layer whose probe differs)."""
-    why = can_pack(model)
-    if why:
-        raise ValueError(why)
-    dtype = next(model.parameters()).dtype
-    layer_class = PackedLinear if pack_method(dtype)[0] == "onednn" else PanelLinear
+def twin_of(model: nn.Module, replace: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> nn.Module:
+    """A twin of `model`: its own modules (shallow copies: their own module, parameter, buffer
+    and hook tables, the same tensors), except those `replace(module)` returns a new module for
+    (not descended into). `model` is not modified and hooks added to it later do not fire on
+    the twin. Errors of `replace` (ValueError for a failed probe) propagate."""
     memo: dict[int, nn.Module] = {}
 
     def twin(mod: nn.Module) -> nn.Module:
         if id(mod) in memo:
             return memo[id(mod)]
-        if type(mod) is nn.Linear and mod.weight.dtype == dtype:
-            new: nn.Module = layer_class(mod)
-            if not _probe_ok(new):
-                raise ValueError(f"the packed kernel is not {new.claim} here ({mod.in_features}x{mod.out_features})")
-        else:
+        new: Optional[nn.Module] = replace(mod) if replace is not None else None
+        if new is None:
             new = copy.copy(mod)
             # own tables (a shallow copy would share them), same tensors and hook functions:
             # hooks added to `model` later (e.g. a forward counter) do not reach the twin, and
@@ -352,13 +415,36 @@ def packed_twin(model: nn.Module) -> nn.Module:
     return twin(model)
 
 
-def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
-    """The model to decode with for a `kernels` policy: (model or its packed twin, "packed" or
-    "stock", why). "auto" packs where the probes pass (bf16 oneDNN: bit-identical; bf16 panels:
-    within bf16 rounding; fp32: within FP32_PROBE_RTOL) and the twin's extra memory is at most AUTO_MAX_BYTES; "packed" insists
-    (ValueError when it cannot); "stock" never packs."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
+def packed_twin(model: nn.Module) -> nn.Module:
+    """A twin of `model` (`twin_of`) whose `nn.Linear` layers of its dtype are `PackedLinear`s
+    (oneDNN) or `PanelLinear`s (entmtp's AVX2 bf16 kernel), all else shared.
+    Raises ValueError (with `can_pack`'s reason, or the first layer whose probe differs)."""
+    why = can_pack(model)
+    if why:
+        raise ValueError(why)
+    dtype = next(model.parameters()).dtype
+    panels = pack_method(dtype)[0] == "panels"
+    layer_class = PanelLinear if panels else PackedLinear
+
+    def replace(mod: nn.Module) -> Optional[nn.Module]:
+        if panels:  # fused modules of entmtp's kernel library, where the probe agrees
+            for fused in (FusedMLP, FusedRMSNorm):
+                if fused.fits(mod):
+                    new = fused(mod)
+                    if _probe_ok(new):
+                        return new
+        if type(mod) is nn.Linear and mod.weight.dtype == dtype:
+            new = layer_class(mod)
+            if not _probe_ok(new):
+                raise ValueError(f"the packed kernel is not {new.claim} here ({mod.in_features}x{mod.out_features})")
+            return new
+        return None
+
+    return twin_of(model, replace)
+
+
+def _linears_policy(model: nn.Module, kernels: str) -> tuple[nn.Module, str, str]:
+    """(model or its packed twin, "packed" or "stock", why) for the linears."""
     if kernels == "stock":
         return model, "stock", "asked for the stock kernels"
     why = can_pack(model)
@@ -371,7 +457,8 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
             if next(model.parameters()).dtype == torch.bfloat16:
                 if pack_method(torch.bfloat16)[0] == "panels":
                     return twin, "packed", ("bf16 linears in 16-column panels for entmtp's AVX2 kernel (fp32 "
-                                            "accumulation, within bf16 rounding of stock, probed; one-row steps stock)")
+                                            "accumulation, within bf16 rounding of stock, probed), RMSNorms and gated "
+                                            "MLPs fused")
                 return twin, "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
             return twin, "packed", ("fp32 linears prepacked for oneDNN (another summation order, within "
                                     f"{FP32_PROBE_RTOL:g} of stock, probed; greedy identity with generate is measured)")
@@ -382,5 +469,27 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return model, "stock", why
 
 
+def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
+    """The model to decode with for a `kernels` policy: (model or its twin, "packed" or "stock",
+    why). "auto" packs the linears where the probes pass (bf16 oneDNN: bit-identical; bf16
+    panels: within bf16 rounding; fp32: within FP32_PROBE_RTOL) and the twin's extra memory is
+    at most AUTO_MAX_BYTES, and on a CPU without bf16 matrix units a bf16 model's sdpa attention
+    runs in float32 (`entmtp.attention`); "packed" insists on the linears (ValueError when it
+    cannot); "stock" changes nothing."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
+    from .attention import fp32_attention_wanted, use_fp32_attention
+
+    out, label, why = _linears_policy(model, kernels)
+    p = next(model.parameters())
+    if kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \
+            and fp32_attention_wanted(p.dtype, p.device):
+        if out is model:
+            out = twin_of(model)
+        use_fp32_attention(out, model.config)
+        why += "; attention in float32 (bf16 sdpa is slow without bf16 matrix units)"
+    return out, label, why
+
+
 __all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "pack_method", "shared_linear", "packed_layer", "packed_linear",
-           "can_pack", "linear_bytes", "packed_twin", "decode_model"]
+           "can_pack", "linear_bytes", "twin_of", "packed_twin", "decode_model"]

@@ -63,6 +63,17 @@ def random_heads(model, kind: str = "hydra", num_heads: int = 4, prefix: bool = 
     return heads.eval()
 
 
+def tokens_before_near_tie(model, prompt: list[int], tokens: list[int], rel: float = 2.0 ** -6) -> int:
+    """How many of `tokens` (model's greedy continuation of `prompt`) come before the first step
+    whose top-2 logits are within `rel` of the logit scale: up to there another kernel's rounding
+    cannot change the greedy choice; from there on it may (bf16 ties are common on tiny models)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    top2 = logits.topk(2, -1).values
+    near = ((top2[:, 0] - top2[:, 1]) <= rel * logits.abs().amax(-1)).nonzero()
+    return int(near[0, 0]) if len(near) else len(tokens)
+
+
 @pytest.fixture
 def llama():
     return tiny_model("llama")
