@@ -1,12 +1,12 @@
-"""Float32 attention for bf16 models on CPUs without bf16 matrix units.
+"""Float32 attention for bf16 models on CPUs without AVX-512 (AVX2: no bf16 instructions).
 
-On such a CPU (AVX2, no AVX-512-BF16 / AMX) torch's bf16 `scaled_dot_product_attention` runs a
-slow path: one query over 300 cached keys of SmolLM2-135M's layer (9 heads, 3 key/value heads)
-took 409 us, against 108 us for casting query, keys and values to float32, attending there
-(grouped-query, no repeated keys) and casting the result back; 9 tree rows 346 vs 220 us; one
-query over 1000 keys 735 vs 152 us (`python scripts/bench_attention.py`). Over 30 layers that is
-9-17 ms of a ~50 ms step. The float32 result is the exact attention of the bf16 inputs rounded
-once to bf16, as close to it as torch's bf16 kernel (which also accumulates in float32).
+On such a CPU torch's bf16 `scaled_dot_product_attention` runs a slow path: one query over 300
+cached keys of SmolLM2-135M's layer (9 heads, 3 key/value heads) took 409 us, against 108 us for
+casting query, keys and values to float32, attending there (grouped-query, no repeated keys) and
+casting the result back; 9 tree rows 346 vs 220 us; one query over 1000 keys 735 vs 152 us
+(`python scripts/bench_attention.py`). Over 30 layers that is 4-17 ms of a ~50 ms step. The
+result is the exact attention of the bf16 inputs rounded once to bf16 (torch's bf16 kernel, which
+also accumulates in float32, is no closer to it).
 
 Two users: the model's own layers, through a transformers attention function registered as
 `FP32_SDPA` that `kernels.decode_model` selects on the decoding twin only (transformers'
@@ -25,17 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hardware import fast_bf16_matmul
+from .hardware import cpu_isa
 
 FP32_SDPA = "entmtp_fp32_sdpa"  # the attention implementation name registered with transformers
 
 
 def fp32_attention_wanted(dtype: torch.dtype, device) -> bool:
     """Whether attention over `dtype` tensors on `device` is faster in float32: bf16 on a CPU
-    without bf16 matrix instructions (unless ENTMTP_FP32_ATTENTION=0)."""
+    without AVX-512 (measured on AVX2; AVX-512 CPUs, with or without bf16 instructions, keep
+    torch's kernel), unless ENTMTP_FP32_ATTENTION=0."""
     if os.environ.get("ENTMTP_FP32_ATTENTION", "1") == "0":
         return False
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not fast_bf16_matmul()
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_isa().startswith(("amx", "avx512"))
 
 
 def fp32_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,

@@ -159,8 +159,7 @@ class PrefixState:
     """Per-request KV of the Hydra++ layer: storage keys/values [1, kv_heads, capacity, head_dim]
     of which the first `length` positions are used. The storage grows by doubling, so a step
     copies only its new tokens' keys/values, not the whole history. `dtype` float32 keeps them
-    (and the layer's attention) in float32 for bf16 heads on a CPU without bf16 matrix units
-    (`entmtp.attention`); None keeps the layer's dtype."""
+    (and the layer's attention) in float32 for bf16 heads on an AVX2 CPU (`entmtp.attention`); None keeps the layer's dtype."""
 
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None

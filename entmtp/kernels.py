@@ -473,8 +473,8 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     """The model to decode with for a `kernels` policy: (model or its twin, "packed" or "stock",
     why). "auto" packs the linears where the probes pass (bf16 oneDNN: bit-identical; bf16
     panels: within bf16 rounding; fp32: within FP32_PROBE_RTOL) and the twin's extra memory is
-    at most AUTO_MAX_BYTES, and on a CPU without bf16 matrix units a bf16 model's sdpa attention
-    runs in float32 (`entmtp.attention`); "packed" insists on the linears (ValueError when it
+    at most AUTO_MAX_BYTES, and on an AVX2 CPU (no AVX-512) a bf16 model's sdpa attention runs in
+    float32 (`entmtp.attention`); "packed" insists on the linears (ValueError when it
     cannot); "stock" changes nothing."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
@@ -487,7 +487,7 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
         if out is model:
             out = twin_of(model)
         use_fp32_attention(out, model.config)
-        why += "; attention in float32 (bf16 sdpa is slow without bf16 matrix units)"
+        why += "; attention in float32 (torch's bf16 sdpa is 3-5x slower on this CPU)"
     return out, label, why
 
 

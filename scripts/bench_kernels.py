@@ -1,9 +1,10 @@
 """Stock vs prepacked linears on the embedded model, side by side (entmtp.kernels).
 
 Times, interleaved and as medians: (1) every linear layer of the model (30 layers' q/k/v/o and
-MLP projections, then the lm_head) on inputs of 1, 4, 9, 16 and 32 rows; (2) a whole model forward
-of that many tokens after a 200-token cache (with a tree-shaped mask for > 1 token), stock model
-vs its packed twin; and compares the outputs (bfloat16 on oneDNN: bit-identical; float32, and
+MLP projections, then the lm_head) on inputs of 1, 4, 9, 16 and 32 rows, stock vs packed one by
+one; (2) a whole model forward of that many tokens after a 200-token cache (with a tree-shaped
+mask for > 1 token), stock model vs the engine's decoding twin (`kernels.decode_model`: packed
+linears, and on AVX2 bf16 also fused norms / MLPs and float32 attention); and compares the outputs (bfloat16 on oneDNN: bit-identical; float32, and
 bfloat16 on entmtp's AVX2 panels: the largest difference relative to the output scale). Prints
 ratios; no asserts.
 
@@ -38,7 +39,7 @@ def main() -> int:
     ap.add_argument("--past", type=int, default=200, help="cached tokens before the timed forward")
     args = ap.parse_args()
 
-    from entmtp.kernels import PackedLinear, PanelLinear, can_pack, pack_method, packed_twin
+    from entmtp.kernels import PackedLinear, PanelLinear, can_pack, decode_model, pack_method
     from entmtp.models import load_base
     from entmtp.verify import tree_mask
 
@@ -48,16 +49,17 @@ def main() -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    twin = packed_twin(model)
+    twin, _, twin_why = decode_model(model, "packed")
     method = pack_method(dt)[0]
     bitwise = dt == torch.bfloat16 and method == "onednn"
     stock_lin = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    packed_lin = [m for m in twin.modules() if type(m) in (PackedLinear, PanelLinear)]
+    packed_lin = [(PackedLinear if method == "onednn" else PanelLinear)(m) for m in stock_lin]
     print(f"{len(stock_lin)} linear layers, {sum(m.weight.numel() * m.weight.element_size() for m in stock_lin) / 2**20:.0f} MiB of {args.dtype} weights "
-          f"(the lm_head shares the embedding); packed: {method}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"(the lm_head shares the embedding); packed: {method}; torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+          f"decoding twin: {twin_why}")
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
-    print("\nrows | all linears: stock ms | packed ms | stock/packed | whole forward: stock ms | packed ms | stock/packed | "
+    print("\nrows | all linears: stock ms | packed ms | stock/packed | whole forward: stock ms | twin ms | stock/twin | "
           + ("identical" if bitwise else "max |diff| / max |logit|"))
     print("---|---|---|---|---|---|---|---")
     with torch.inference_mode():

@@ -31,7 +31,7 @@ def exact_attention(q, k, v, mask=None, causal=False):
 def slow_bf16_cpu(monkeypatch):
     """Pretend this CPU has no bf16 matrix units (the case the float32 attention is for)."""
     monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
-    monkeypatch.setattr(attention, "fast_bf16_matmul", lambda: False)
+    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
 
 
 @pytest.mark.parametrize("rows,keys,masked", [(1, 1, False), (1, 37, False), (5, 41, True), (9, 9, True)])
@@ -96,8 +96,9 @@ def test_fp32_attention_is_off_where_not_wanted(slow_bf16_cpu, monkeypatch):
     m, _, why = kernels.decode_model(model, "auto")
     assert m.config._attn_implementation == "sdpa" and "attention" not in why
     monkeypatch.delenv("ENTMTP_FP32_ATTENTION")
-    monkeypatch.setattr(attention, "fast_bf16_matmul", lambda: True)  # bf16 units: torch's kernel is fast
-    assert kernels.decode_model(model, "auto")[0].config._attn_implementation == "sdpa"
+    for isa in ("amx", "avx512_bf16", "avx512"):  # AVX-512 CPUs keep torch's kernel (bf16 units: fast)
+        monkeypatch.setattr(attention, "cpu_isa", lambda isa=isa: isa)
+        assert kernels.decode_model(model, "auto")[0].config._attn_implementation == "sdpa"
     assert attention.fp32_attention_wanted(torch.bfloat16, "cuda") is False
 
 
