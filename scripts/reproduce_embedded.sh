@@ -82,7 +82,8 @@ python -m entmtp search --model default --heads hydra++ --data runs/calib_prompt
 python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrapp
 #    The trees and banks for CPUs without bf16 units (hardware class cpu-avx2: an AVX2-only CPU):
 #    float32 with packed oneDNN kernels (session 11) and bfloat16 with entmtp's AVX2 panel kernels
-#    (session 12, entmtp/csrc). Run on such a machine; recorded as default_tree_<dtype>@cpu-avx2,
+#    (session 12, entmtp/csrc; searched again in session 13 with the fused ops, float32 attention and
+#    one-row panels). Run on such a machine; recorded as default_tree_<dtype>@cpu-avx2,
 #    used only there (entmtp.hardware).
 if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_class("cpu"))')" = cpu-avx2 ]; then
   for dt in float32:fp32 bfloat16:bf16; do

@@ -74,6 +74,22 @@ def tokens_before_near_tie(model, prompt: list[int], tokens: list[int], rel: flo
     return int(near[0, 0]) if len(near) else len(tokens)
 
 
+def assert_lossless_and_near_stock(engine, stock, model, heads: str, tree, n: int = 40) -> None:
+    """On two prompts: `engine`'s plain greedy tokens are `stock`'s up to the first near-tie of
+    the stock logits, and speculation with `heads` and `tree` emits exactly `engine`'s own plain
+    tokens (lossless whatever the kernels round)."""
+    from entmtp.decoding import DecodeConfig
+
+    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=())
+    for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
+        want = stock.run(prompt, config=cfg).tokens
+        plain = engine.run(prompt, config=cfg).tokens
+        agree = tokens_before_near_tie(model, prompt, want)
+        assert agree >= 5 and plain[:agree] == want[:agree]
+        got = engine.run(prompt, heads=heads, tree=tree, config=cfg)
+        assert got.tokens == plain and len(got.tokens) == n
+
+
 @pytest.fixture
 def llama():
     return tiny_model("llama")

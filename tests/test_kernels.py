@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import random_heads, tiny_model, tokens_before_near_tie
+from conftest import assert_lossless_and_near_stock, random_heads, tiny_model
 from entmtp import kernels
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.trees import resolve_tree
@@ -416,15 +416,7 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
         with torch.inference_mode():
             a, b = model(ids).logits, panels.decode_model(ids).logits
         assert (a.float() - b.float()).abs().max() <= 0.02 * a.float().abs().max()
-        tree = resolve_tree("mc_sim_7b_63").truncated(4)
-        cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
-        for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
-            want = stock.run(prompt, config=cfg).tokens
-            plain = panels.run(prompt, config=cfg).tokens
-            agree = tokens_before_near_tie(model, prompt, want)
-            assert agree >= 5 and plain[:agree] == want[:agree]
-            got = panels.run(prompt, heads="hydra", tree=tree, config=cfg)
-            assert got.tokens == plain and len(got.tokens) == 40
+        assert_lossless_and_near_stock(panels, stock, model, "hydra", resolve_tree("mc_sim_7b_63").truncated(4))
     finally:
         kernels._packing_unavailable.cache_clear()
 
