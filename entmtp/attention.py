@@ -39,14 +39,17 @@ def fp32_attention_wanted(dtype: torch.dtype, device) -> bool:
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_isa().startswith(("amx", "avx512"))
 
 
+def _float32_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """An additive float mask in float32 (bool masks and None as they are)."""
+    return mask.float() if mask is not None and mask.is_floating_point() else mask
+
+
 def fp32_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
               *, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, Hkv, kv, D] (H a multiple of Hkv), attn_mask additive
     float or bool, broadcastable to [B, H, q, kv] -> [B, H, q, D] in query's dtype, computed in
     float32 (inputs already float32 are not copied)."""
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.float()
-    out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=attn_mask, scale=scale,
+    out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=_float32_mask(attn_mask), scale=scale,
                                          is_causal=is_causal, enable_gqa=query.shape[1] != key.shape[1])
     return out.to(query.dtype)
 
@@ -69,8 +72,7 @@ def fp32_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
-    out, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask,
+    out, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), _float32_mask(attention_mask),
                                     dropout=dropout, scaling=scaling, **kwargs)
     return out.to(query.dtype), None
 

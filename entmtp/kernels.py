@@ -303,14 +303,19 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         self.weight = norm.weight
         self.in_features = norm.weight.shape[0]
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+        self.eps = float(self._eps_of(norm))
         self.__dict__["_reference"] = norm.forward  # the replaced forward, for `matches` (not a submodule)
+
+    @staticmethod
+    def _eps_of(norm: nn.Module):
+        """The norm's epsilon: transformers' `variance_epsilon`, or `eps` (None when neither)."""
+        return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
 
     @staticmethod
     def fits(mod: nn.Module) -> bool:
         """Whether `mod` looks like an RMSNorm this op computes (the probe then checks it does)."""
         w = getattr(mod, "weight", None)
-        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        eps = FusedRMSNorm._eps_of(mod)
         return (type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1
                 and w.dtype == torch.bfloat16 and isinstance(eps, float) and not mod._modules)
 
