@@ -74,13 +74,13 @@ def tokens_before_near_tie(model, prompt: list[int], tokens: list[int], rel: flo
     return int(near[0, 0]) if len(near) else len(tokens)
 
 
-def assert_lossless_and_near_stock(engine, stock, model, heads: str, tree, n: int = 40) -> None:
+def assert_lossless_and_near_stock(engine, stock, model, heads: str, tree, n: int = 40, lookup: int = 0) -> None:
     """On two prompts: `engine`'s plain greedy tokens are `stock`'s up to the first near-tie of
     the stock logits, and speculation with `heads` and `tree` emits exactly `engine`'s own plain
     tokens (lossless whatever the kernels round)."""
     from entmtp.decoding import DecodeConfig
 
-    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=())
+    cfg = DecodeConfig(max_new_tokens=n, eos_token_ids=(), lookup=lookup)
     for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
         want = stock.run(prompt, config=cfg).tokens
         plain = engine.run(prompt, config=cfg).tokens
@@ -95,19 +95,51 @@ def llama():
     return tiny_model("llama")
 
 
+TINY_CORPUS = ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
+               "paris is the capital.", "one two three four five six seven eight nine ten"]
+
+
+def tiny_bpe(corpus: list[str], alphabet: list[str], size: int, specials: list[str]) -> tuple[dict, list]:
+    """(vocab, merges) of a byte-level BPE learnt from `corpus`, deterministically: the most frequent
+    adjacent pair first, ties broken by the pair itself. (tokenizers' BpeTrainer breaks ties in hash
+    order, so its vocabulary -- and every tiny model's outputs -- changed from run to run.)"""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words = [list(w) for text in corpus for w, _ in pre.pre_tokenize_str(text)]
+    symbols = sorted(set(alphabet) | {c for w in words for c in w})
+    vocab = {t: i for i, t in enumerate(specials + symbols)}
+    merges = []
+    while len(vocab) < size:
+        counts: dict[tuple[str, str], int] = {}
+        for w in words:
+            for pair in zip(w, w[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        a, b = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == (a, b):
+                    w[i:i + 2] = [a + b]
+                i += 1
+    return vocab, merges
+
+
 def tiny_tokenizer():
-    """A small BPE tokenizer with a ChatML chat template, trained in memory (nothing downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A small byte-level BPE tokenizer (90 tokens) with a ChatML chat template, built in memory
+    (nothing downloaded), the same on every run (the byte alphabet comes in hash order: sorted)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    vocab, merges = tiny_bpe(TINY_CORPUS, sorted(pre_tokenizers.ByteLevel.alphabet())[:40], 90,
+                             ["<unk>", "<|im_end|>", "<|im_start|>"])
+    tk = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    corpus = ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
-              "paris is the capital.", "one two three four five six seven eight nine ten"] * 4
-    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<unk>", "<|im_end|>", "<|im_start|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40])
-    tk.train_from_iterator(corpus, trainer)
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",

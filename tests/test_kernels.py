@@ -172,19 +172,18 @@ def test_auto_packs_small_bf16_models_and_respects_the_memory_cap(monkeypatch):
 
 @needs_pack
 @pytest.mark.parametrize("lookup", [0, 4])
-def test_engine_decodes_the_same_tokens_with_either_kernels(lookup):
+def test_engine_decodes_like_the_stock_engine_with_either_kernels(lookup):
+    """Speculation (with and without prompt lookup) emits exactly the plain greedy tokens of the
+    same kernels, and the packed kernels' plain tokens are stock's up to the first bf16 near-tie
+    (fused norms and float32 attention round differently from stock, so an exact tie may break
+    the other way on another CPU)."""
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
     heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
     packed, stock = Engine(model, None, heads, kernels="packed"), Engine(model, None, heads, kernels="stock")
     assert (packed.kernels, stock.kernels) == ("packed", "stock") and stock.decode_model is model
     tree = resolve_tree("mc_sim_7b_63").truncated(4)
-    cfg = DecodeConfig(max_new_tokens=40, lookup=lookup, eos_token_ids=())
-    for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
-        a = packed.run(prompt, heads="hydra", tree=tree, config=cfg)
-        b = stock.run(prompt, heads="hydra", tree=tree, config=cfg)
-        assert a.tokens == b.tokens and len(a.tokens) == 40
-        assert [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
-        assert packed.run(prompt, config=cfg).tokens == stock.run(prompt, config=cfg).tokens
+    assert_lossless_and_near_stock(packed, stock, model, "hydra", tree, lookup=lookup)
+    assert_lossless_and_near_stock(stock, stock, model, "hydra", tree, lookup=lookup)
 
 
 @needs_pack
