@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
 from .kernels import decode_model
+from .kvcache import decoding_cache
 from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
@@ -197,7 +197,7 @@ class Generation:
         t0 = time.perf_counter()
         self._t_start = t0
         m = self.engine.decode_model
-        self.cache = DynamicCache(config=m.config)
+        self.cache = decoding_cache(m)
         ids = torch.tensor([self.prompt], device=self.device)
         need_hidden = self.runner is not None
         logits, hidden = forward(m, ids, self.cache, hidden=need_hidden, logits_to_keep=1)

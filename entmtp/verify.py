@@ -2,8 +2,9 @@
 
 One forward over all n+1 tree tokens: a 4D *additive* float mask ``(1, 1, n+1, past+n+1)``
 in the model dtype (every node sees the whole prefix, its ancestors and itself) and
-``position_ids = past + depth``. The KV cache is a stock ``DynamicCache``; after acceptance
-only the accepted nodes' keys/values are kept.
+``position_ids = past + depth``. The KV cache is transformers' ``DynamicCache`` (with
+``kvcache.GrowingLayer`` layers in the decoding loop); after acceptance only the accepted nodes'
+keys/values are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from .hardware import fast_bf16_matmul
 from .kernels import packed_layer
+from .kvcache import GrowingLayer
 
 
 class UnsupportedModelError(RuntimeError):
@@ -80,8 +82,11 @@ def keep_cache_entries(cache, past: int, path: list[int], n_tree: int) -> None:
         # index_select copies first, so writing into the same storage is safe.
         keys[:, :, past: past + a] = keys.index_select(-2, s)
         layer.values[:, :, past: past + a] = layer.values.index_select(-2, s)
-        layer.keys = keys[:, :, : past + a]
-        layer.values = layer.values[:, :, : past + a]
+        if isinstance(layer, GrowingLayer):  # its keys are views of its buffers: shorten, don't rebind
+            layer.crop(past + a - layer.get_seq_length())
+        else:
+            layer.keys = keys[:, :, : past + a]
+            layer.values = layer.values[:, :, : past + a]
 
 
 def forward(model, input_ids: torch.Tensor, cache, *, mask: Optional[torch.Tensor] = None,
