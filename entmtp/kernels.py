@@ -369,6 +369,118 @@ class FusedMLP(nn.Module):
                     and (self._reference(x).float() - exact).abs().max() <= 8 * tol)
 
 
+class FusedAttention(nn.Module):
+    """A Llama-style attention (q/k/v/o projections, rotate-half rotary embedding, grouped-query
+    sdpa) for a bf16 model whose attention runs in float32 (`entmtp.attention`): q|k|v as one
+    panel product with fp32 sums, the rotary embedding and the head split in one op in fp32, keys
+    and values cached in fp32, fp32 attention, fp32 into o_proj, rounded to bf16 once at the end.
+    hidden_states [B, q, h] bf16 -> ([B, q, h] bf16, None). Within bf16 rounding of the exact
+    attention (torch's rounds q, k, v, each rotary product and the attention output to bf16 on
+    the way, over some 25 op calls a layer; this takes 4 and a cache update).
+
+    The attention op (`attend`) computes every row from its query and the keys it sees alone, so
+    a tree's rows get exactly the numbers one-token steps would: with the panels (the same
+    summation order for any row count) and row-wise fused ops, greedy speculation on this twin
+    emits exactly the tokens of plain decoding on it, in bf16 too."""
+
+    claim = "within bf16 rounding of the exact attention"
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
+        self.num_heads, self.num_kv_heads = q.out_features // self.head_dim, k.out_features // self.head_dim
+        self.num_key_value_groups, self.is_causal = self.num_heads // self.num_kv_heads, True  # read by sdpa helpers
+        self.in_features, self.out_features = q.in_features, o.out_features
+        self.q_weight, self.k_weight, self.v_weight, self.o_weight = q.weight, k.weight, v.weight, o.weight  # shared
+        self.qkv = torch.ops.entmtp_cpu.bf16_pack_panels(torch.cat([q.weight.detach(), k.weight.detach(), v.weight.detach()]))
+        self.qkv_bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias]).detach()
+        self.o = torch.ops.entmtp_cpu.bf16_pack_panels(o.weight.detach())
+        self.o_bias = o.bias
+        self.__dict__["_reference"] = attn  # the replaced module, for `matches` (not a submodule)
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        """Whether `mod` looks like a full (not sliding-window) Llama-style bf16 attention: exactly
+        q/k/v/o `nn.Linear` projections, biases on all of q/k/v or none, none on o (the probe then
+        checks the formula: rotary convention, scaling, grouping)."""
+        lins = [getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not all(type(x) is nn.Linear and x.weight.dtype == torch.bfloat16 for x in lins):
+            return False
+        head_dim, cfg = getattr(mod, "head_dim", None), getattr(mod, "config", None)
+        if not isinstance(head_dim, int) or head_dim % 8:  # the attention op works in 8-lane blocks
+            return False
+        layer_types = getattr(cfg, "layer_types", None) or []
+        idx = getattr(mod, "layer_idx", None)
+        return (set(mod._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} and isinstance(head_dim, int)
+                and isinstance(idx, int) and isinstance(getattr(mod, "scaling", None), float)
+                and len({x.bias is None for x in lins[:3]}) == 1 and lins[3].bias is None
+                and lins[0].out_features % head_dim == 0 and lins[1].out_features % head_dim == 0
+                and getattr(mod, "sliding_window", None) is None
+                and getattr(cfg, "attn_logit_softcapping", None) is None
+                # a layer typed full attention; untyped, no sliding window in the config (Mistral reads it there)
+                and (layer_types[idx] == "full_attention" if idx < len(layer_types)
+                     else getattr(cfg, "sliding_window", None) is None))
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        from .attention import fp32_sdpa_attention
+
+        ops = torch.ops.entmtp_cpu
+        b, q_len = hidden_states.shape[:2]
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv = ops.bf16_panels_linear(hidden_states, self.qkv, width, self.qkv_bias, True)
+        cos, sin = position_embeddings
+        query, key, value = ops.rope_split(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        m = attention_mask
+        if m is None or (m.dim() == 4 and m.shape[1] == 1 and m.shape[0] in (1, b) and m.shape[2:] == (q_len, key.shape[-2])):
+            # no mask: causal (a prompt) or one row; else a tree's or padding mask
+            out = ops.attend(query, key, value, m, m is None, self.scaling)
+        else:
+            kwargs.pop("dropout", None)
+            out, _ = fp32_sdpa_attention(self, query, key, value, m, scaling=self.scaling, **kwargs)
+        return ops.bf16_panels_linear(out.reshape(b, q_len, -1), self.o, self.out_features, self.o_bias, False), None
+
+    def matches(self, x: torch.Tensor) -> bool:
+        """x [r, h]: r rows as one sequence (all but the last 3 as a causal prompt into a fresh
+        cache, then the rest as a tree with an explicit mask) through this, the replaced module
+        and an exact float32 copy of it: this within bf16 rounding of the copy, the module within
+        its own roundings of it (so the copy computes the module's formula)."""
+        from transformers import DynamicCache
+
+        r, d = x.shape[0], self.head_dim
+        split = max(1, r - 3)
+        g = torch.Generator().manual_seed(1)
+        angle = torch.arange(r)[:, None] * torch.rand(d // 2, generator=g)[None] * 2.0
+        angle = torch.cat([angle, angle], -1)[None]  # [1, r, d]
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        exact_module = copy.deepcopy(self._reference).float()
+        outs = []
+        for mod, dtype in ((self, x.dtype), (self._reference, x.dtype), (exact_module, torch.float32)):
+            cache, parts = DynamicCache(), []
+            for lo, hi in ((0, split), (split, r)):
+                if hi <= lo:
+                    continue
+                mask = None
+                if lo:  # a tree: each new row sees the prompt, itself and the row two before it
+                    mask = torch.full((1, 1, hi - lo, hi), float("-inf"), dtype=dtype)
+                    mask[..., :lo] = 0
+                    for i in range(hi - lo):
+                        mask[0, 0, i, lo + i] = 0
+                        if i >= 2:
+                            mask[0, 0, i, lo + i - 2] = 0
+                out, _ = mod(x[None, lo:hi].to(dtype), position_embeddings=(cos[:, lo:hi].to(dtype), sin[:, lo:hi].to(dtype)),
+                             attention_mask=mask, cache=cache)
+                parts.append(out.float())
+            outs.append(torch.cat(parts, 1))
+        ours, module, exact = outs
+        tol = BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30)
+        # the module rounds to bf16 some ten times on the way (up to ~9 tol seen on SmolLM2-135M); another
+        # formula (rotary convention, scaling) would miss by a sizeable fraction of the output scale
+        return bool((ours - exact).abs().max() <= tol and (module - exact).abs().max() <= 32 * tol)
+
+
 def can_pack(model: nn.Module) -> Optional[str]:
     """None when `model` can run prepacked linears, else why not (one line)."""
     p = next(model.parameters(), None)
@@ -420,9 +532,11 @@ def twin_of(model: nn.Module, replace: Optional[Callable[[nn.Module], Optional[n
     return twin(model)
 
 
-def packed_twin(model: nn.Module) -> nn.Module:
+def packed_twin(model: nn.Module, fused_attention: bool = False) -> nn.Module:
     """A twin of `model` (`twin_of`) whose `nn.Linear` layers of its dtype are `PackedLinear`s
-    (oneDNN) or `PanelLinear`s (entmtp's AVX2 bf16 kernel), all else shared.
+    (oneDNN) or `PanelLinear`s (entmtp's AVX2 bf16 kernel), all else shared. With the panels,
+    gated MLPs and RMSNorms are fused where their probes pass, and so are attentions when
+    `fused_attention` (only for a model that attends in float32: `FusedAttention` does).
     Raises ValueError (with `can_pack`'s reason, or the first layer whose probe differs)."""
     why = can_pack(model)
     if why:
@@ -433,7 +547,7 @@ def packed_twin(model: nn.Module) -> nn.Module:
 
     def replace(mod: nn.Module) -> Optional[nn.Module]:
         if panels:  # fused modules of entmtp's kernel library, where the probe agrees
-            for fused in (FusedMLP, FusedRMSNorm):
+            for fused in (FusedAttention, FusedMLP, FusedRMSNorm) if fused_attention else (FusedMLP, FusedRMSNorm):
                 if fused.fits(mod):
                     new = fused(mod)
                     if _probe_ok(new):
@@ -448,8 +562,9 @@ def packed_twin(model: nn.Module) -> nn.Module:
     return twin_of(model, replace)
 
 
-def _linears_policy(model: nn.Module, kernels: str) -> tuple[nn.Module, str, str]:
-    """(model or its packed twin, "packed" or "stock", why) for the linears."""
+def _linears_policy(model: nn.Module, kernels: str, fp32_attention: bool = False) -> tuple[nn.Module, str, str]:
+    """(model or its packed twin, "packed" or "stock", why) for the linears (and, with the panels
+    and `fp32_attention`, the attention modules)."""
     if kernels == "stock":
         return model, "stock", "asked for the stock kernels"
     why = can_pack(model)
@@ -458,12 +573,13 @@ def _linears_policy(model: nn.Module, kernels: str) -> tuple[nn.Module, str, str
         why = f"the packed copies would need {extra / 2**30:.1f} GiB more memory (auto packs up to {AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels packed)"
     if why is None:
         try:
-            twin = packed_twin(model)
+            twin = packed_twin(model, fused_attention=fp32_attention)
             if next(model.parameters()).dtype == torch.bfloat16:
                 if pack_method(torch.bfloat16)[0] == "panels":
+                    fused = "attentions, " if any(isinstance(m, FusedAttention) for m in twin.modules()) else ""
                     return twin, "packed", ("bf16 linears in 16-column panels for entmtp's AVX2 kernel (fp32 "
-                                            "accumulation, within bf16 rounding of stock, probed), RMSNorms and gated "
-                                            "MLPs fused")
+                                            "accumulation, within bf16 rounding of stock, probed), "
+                                            f"{fused}RMSNorms and gated MLPs fused")
                 return twin, "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
             return twin, "packed", ("fp32 linears prepacked for oneDNN (another summation order, within "
                                     f"{FP32_PROBE_RTOL:g} of stock, probed; greedy identity with generate is measured)")
@@ -485,10 +601,11 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
     from .attention import fp32_attention_wanted, use_fp32_attention
 
-    out, label, why = _linears_policy(model, kernels)
     p = next(model.parameters())
-    if kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \
-            and fp32_attention_wanted(p.dtype, p.device):
+    fp32_attention = kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \
+        and fp32_attention_wanted(p.dtype, p.device)
+    out, label, why = _linears_policy(model, kernels, fp32_attention)
+    if fp32_attention:
         if out is model:
             out = twin_of(model)
         use_fp32_attention(out, model.config)
@@ -496,5 +613,5 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return out, label, why
 
 
-__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "pack_method", "shared_linear", "packed_layer", "packed_linear",
+__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP", "FusedRMSNorm", "pack_method", "shared_linear", "packed_layer", "packed_linear",
            "can_pack", "linear_bytes", "twin_of", "packed_twin", "decode_model"]

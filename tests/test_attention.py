@@ -113,15 +113,26 @@ def test_engine_with_float32_attention_decodes_like_the_stock_engine(slow_bf16_c
     fast, stock = Engine(model, None, heads), Engine(model, None, heads, kernels="stock")
     assert fast.decode_model.config._attn_implementation == attention.FP32_SDPA
     assert fast.runners["hydra++"].prefix_dtype == torch.float32 and stock.runners["hydra++"].prefix_dtype is None
+    # every model attention is a fused one (its own float32 attention op) where the panels are, else
+    # transformers' attention module running the float32 attention function; count their row counts
+    attns = [layer.self_attn for layer in fast.decode_model.model.layers]
+    fused = kernels._panels_unavailable() is None
+    assert all(isinstance(a, kernels.FusedAttention) == fused for a in attns)
     calls = []
+    hooks = [a.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["hidden_states"].shape[1]), with_kwargs=True)
+             for a in attns]
     real = attention.fp32_sdpa_attention
     from transformers import AttentionInterface
-    AttentionInterface.register(attention.FP32_SDPA, lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    used = []
+    AttentionInterface.register(attention.FP32_SDPA, lambda *a, **k: used.append(1) or real(*a, **k))
     try:
         tree = resolve_tree("mc_sim_7b_63").truncated(4)
         assert_lossless_and_near_stock(fast, stock, model, "hydra++", tree)
     finally:
         AttentionInterface.register(attention.FP32_SDPA, real)
+        for h in hooks:
+            h.remove()
+    assert bool(used) != fused
     assert {1, 5, 23, tree.size} <= set(calls)  # one-row steps, the two prompts' prefills, whole trees
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from conftest import assert_lossless_and_near_stock, random_heads, tiny_model
-from entmtp import kernels
+from entmtp import attention, kernels
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.trees import resolve_tree
 
@@ -136,16 +136,18 @@ def test_a_cpu_without_onednn_bf16_uses_the_panels(monkeypatch):
     """Where oneDNN refuses bf16 (AVX2 CPUs), auto decodes on entmtp's panel kernels instead."""
     kernels._packing_unavailable.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
+    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
+    monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
     try:
         assert kernels.pack_method(torch.bfloat16) == ("panels", None)
         m, name, why = kernels.decode_model(bf16_model, "auto")
         assert name == "packed" and "panels" in why and m is not bf16_model
         count = lambda model, cls: sum(type(x).__name__ == cls for x in model.modules())  # noqa: E731
-        n_lin, n_mlp = count(bf16_model, "Linear"), count(bf16_model, "LlamaMLP")
-        # gated MLPs and RMSNorms fused, every other linear on the panels
-        assert n_mlp == 2 and count(m, "FusedMLP") == n_mlp
+        n_lin, n_mlp, n_attn = count(bf16_model, "Linear"), count(bf16_model, "LlamaMLP"), count(bf16_model, "LlamaAttention")
+        # attentions (float32 on AVX2), gated MLPs and RMSNorms fused, every other linear on the panels
+        assert n_mlp == n_attn == 2 and count(m, "FusedMLP") == n_mlp and count(m, "FusedAttention") == n_attn
         assert count(m, "FusedRMSNorm") == count(bf16_model, "LlamaRMSNorm") == 5
-        assert count(m, "PanelLinear") == n_lin - 3 * n_mlp and count(m, "Linear") == 0
+        assert count(m, "PanelLinear") == n_lin - 3 * n_mlp - 4 * n_attn == 1 and count(m, "Linear") == 0
         assert isinstance(kernels.packed_layer(bf16_model.lm_head.weight), kernels.PanelLinear)
     finally:
         kernels._packing_unavailable.cache_clear()
@@ -469,3 +471,159 @@ def test_the_pip_ninja_is_found_without_an_activated_environment(monkeypatch):
     with kernels._ninja_on_path():
         assert shutil.which("ninja") is not None
     assert os.environ["PATH"] == "/nonexistent"
+
+
+def _rope_reference(x, cos, sin):
+    """transformers' rotate-half rotary embedding in float64: x [B, H, q, d], cos/sin [B, q, d]."""
+    x, c, s = x.double(), cos.double()[:, None], sin.double()[:, None]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+
+
+@needs_panels
+def test_rope_split_is_the_rotary_embedding_of_each_head():
+    g = torch.Generator().manual_seed(0)
+    B, q, H, Hkv, d = 1, 5, 6, 2, 8
+    qkv = torch.randn(B, q, (H + 2 * Hkv) * d, generator=g)
+    cos, sin = torch.randn(B, q, d, generator=g).bfloat16(), torch.randn(B, q, d, generator=g).bfloat16()
+    qs, ks, vs = torch.ops.entmtp_cpu.rope_split(qkv, cos, sin, H, Hkv)
+    heads = qkv.view(B, q, H + 2 * Hkv, d).transpose(1, 2)
+    assert qs.shape == (B, H, q, d) and ks.shape == vs.shape == (B, Hkv, q, d) and qs.dtype == torch.float32
+    torch.testing.assert_close(qs.double(), _rope_reference(heads[:, :H], cos, sin))
+    torch.testing.assert_close(ks.double(), _rope_reference(heads[:, H:H + Hkv], cos, sin))
+    assert torch.equal(vs, heads[:, H + Hkv:])
+    with pytest.raises(RuntimeError, match="rope_split: qkv must be a float32 CPU tensor"):
+        torch.ops.entmtp_cpu.rope_split(qkv.bfloat16(), cos, sin, H, Hkv)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        torch.ops.entmtp_cpu.rope_split(qkv, cos[:, :2], sin[:, :2], H, Hkv)
+
+
+@needs_panels
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_fused_attention_is_the_attention_up_to_rounding(family):
+    from transformers import DynamicCache
+
+    model = tiny_model(family, vocab=96, dtype=torch.bfloat16, seed=2)
+    attn = model.model.layers[1].self_attn
+    assert kernels.FusedAttention.fits(attn)
+    fused = kernels.FusedAttention(attn)
+    assert kernels._probe_ok(fused) and (fused.qkv_bias is not None) == (family == "qwen2")
+    # prompt of 6 rows (causal, no mask), then one row, then a 3-node tree, against the module in float32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 10, 32, generator=g).bfloat16()
+    ids = torch.arange(10)[None]
+    cos, sin = model.model.rotary_emb(x, ids)
+    exact = __import__("copy").deepcopy(attn).float()
+    tree = torch.zeros(1, 1, 3, 10)
+    tree[0, 0, 2, 8] = float("-inf")  # node 2 is a sibling of node 1
+    outs = []
+    for mod, dtype in ((fused, torch.bfloat16), (exact, torch.float32)):
+        cache, parts = DynamicCache(), []
+        for lo, hi, mask in ((0, 6, None), (6, 7, None), (7, 10, tree)):
+            out, _ = mod(x[:, lo:hi].to(dtype), position_embeddings=(cos[:, lo:hi].to(dtype), sin[:, lo:hi].to(dtype)),
+                         attention_mask=None if mask is None else mask.to(dtype), cache=cache)
+            parts.append(out.float())
+        outs.append(torch.cat(parts, 1))
+        assert cache.layers[1].keys.dtype == torch.float32 and cache.get_seq_length(1) == 10
+    ours, ref = outs
+    assert (ours - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+@pytest.fixture
+def panels_only(monkeypatch):
+    """The panel kernels even on a CPU with oneDNN's bf16 kernels, and float32 attention (AVX2)."""
+    kernels._packing_unavailable.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
+    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
+    monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
+    yield
+    kernels._packing_unavailable.cache_clear()
+
+
+class DoubledAttention(torch.nn.Module):
+    """Llama's attention with twice its output: shaped like it, another formula."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.__dict__.update({k: v for k, v in attn.__dict__.items() if k != "_modules"})
+        self._modules = dict(attn._modules)
+        self._inner = attn.forward
+
+    def forward(self, *args, **kwargs):
+        out, w = self._inner(*args, **kwargs)
+        return 2 * out, w
+
+
+@needs_panels
+def test_fused_attention_fits_and_probe_refuse_other_attentions(panels_only):
+    import transformers
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
+    doubled = DoubledAttention(model.model.layers[0].self_attn)
+    assert kernels.FusedAttention.fits(doubled) and not kernels._probe_ok(kernels.FusedAttention(doubled))
+    model.model.layers[0].self_attn = doubled
+    twin, _, why = kernels.decode_model(model, "auto")
+    assert type(twin.model.layers[0].self_attn) is DoubledAttention
+    assert type(twin.model.layers[1].self_attn) is kernels.FusedAttention and "attentions" in why
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    mistral = transformers.MistralForCausalLM(cfg).to(torch.bfloat16)
+    assert not kernels.FusedAttention.fits(mistral.model.layers[0].self_attn)  # sliding window
+    qcfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    qwen3 = transformers.Qwen3ForCausalLM(qcfg).to(torch.bfloat16)
+    assert not kernels.FusedAttention.fits(qwen3.model.layers[0].self_attn)  # q/k norms
+    assert not kernels.FusedAttention.fits(model.float().model.layers[1].self_attn)  # float32
+
+
+@needs_panels
+def test_fused_attention_only_where_attention_runs_in_float32(panels_only, monkeypatch):
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
+    count = lambda m: sum(isinstance(x, kernels.FusedAttention) for x in m.modules())  # noqa: E731
+    assert count(kernels.decode_model(model, "auto")[0]) == 2
+    monkeypatch.setenv("ENTMTP_FP32_ATTENTION", "0")
+    twin, _, why = kernels.decode_model(model, "auto")
+    assert count(twin) == 0 and "attentions" not in why
+    assert count(kernels.decode_model(model, "stock")[0]) == 0
+
+
+@needs_panels
+def test_attend_is_the_attention_and_each_row_its_own():
+    """attend: within fp32 rounding of float64 attention, for a causal prompt, a tree mask and a
+    bool mask; and a tree's row is bit for bit that row alone over just the keys it sees, stored
+    contiguously -- what a one-token step on the accepted path computes."""
+    from test_attention import exact_attention
+
+    ops = torch.ops.entmtp_cpu
+    g = torch.Generator().manual_seed(4)
+    past, n = 37, 6
+    q = torch.randn(1, 6, n, 16, generator=g)
+    k, v = (torch.randn(1, 2, past + n, 16, generator=g) for _ in range(2))
+    parents = [-1, 0, 0, 1, 3, 2]  # a tree over the last n positions
+    visible = torch.zeros(n, past + n, dtype=torch.bool)
+    visible[:, :past] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            visible[i, past + j], j = True, parents[j]
+    additive = torch.zeros(1, 1, n, past + n).masked_fill(~visible, torch.finfo(torch.float32).min)
+    scale = 16 ** -0.5
+    out = ops.attend(q, k, v, additive, False, scale)  # [1, n, 6, 16]
+    close = dict(rtol=1e-5, atol=1e-6)  # float32 against float64
+    torch.testing.assert_close(out.double(), exact_attention(q, k, v, visible).transpose(1, 2), **close)
+    assert torch.equal(ops.attend(q, k, v, visible[None, None], False, scale), out)
+    causal = ops.attend(q, k, v, None, True, scale)
+    prompt_mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # row i sees keys <= past + i
+    torch.testing.assert_close(causal.double(), exact_attention(q, k, v, prompt_mask).transpose(1, 2), **close)
+    for i in range(n):
+        keep = visible[i].nonzero()[:, 0]
+        alone = ops.attend(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], None, False, scale)
+        assert torch.equal(alone[:, 0], out[:, i])
+    # a strided cache view (kvcache.GrowingLayer's) reads the same numbers
+    buf = torch.zeros(1, 2, 64, 16)
+    buf[:, :, :past + n] = k
+    assert torch.equal(ops.attend(q, buf[:, :, :past + n], v, additive, False, scale), out)
+    with pytest.raises(RuntimeError, match="attend: shapes do not match"):
+        ops.attend(q[..., :12], k[..., :12], v[..., :12], None, True, scale)
+    with pytest.raises(RuntimeError, match=r"attend: mask must be \[B or 1, 1, Q, L\]"):
+        ops.attend(q, k, v, additive[..., :-1], False, scale)

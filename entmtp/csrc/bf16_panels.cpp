@@ -20,6 +20,12 @@
 //       transformers' Llama-style RMSNorm, one op instead of eight
 //   silu_mul(Tensor gu) -> Tensor
 //       gu [..., 2I] fp32 (gate | up) -> silu(gate) * up [..., I] fp32 (a gated MLP's middle)
+//   rope_split(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv) -> Tensor[]
+//       qkv [B, q, (H + 2 Hkv) d] fp32 (one q|k|v projection), cos/sin [B, q, d] -> q [B, H, q, d],
+//       k and v [B, Hkv, q, d] fp32, the rotary embedding applied to q and k in fp32
+//   attend(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor
+//       fp32 attention, q [B, H, Q, D], k/v [B, Hkv, L, D] -> [B, Q, H, D], each row's result
+//       independent of the rest of the call (see the note above the function)
 //
 // Decoding a 135M model, each op call costs ~10 us of dispatch on a small VM: the fused ops
 // are there to remove calls, not flops.
@@ -29,6 +35,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -137,6 +144,27 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
   return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
 }
 
+// sum of squares of n bf16 values, in fp32 (8 lanes, then the lanes in order)
+inline float sum_squares(const at::BFloat16* x, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + j))), 16));
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float ss = 0.f;
+  for (int l = 0; l < 8; ++l) ss += lanes[l];
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(x[j]);
+    ss += v * v;
+  }
+  return ss;
+}
+
 at::Tensor bf16_rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
   TORCH_CHECK(x_.dim() >= 1 && x_.scalar_type() == at::kBFloat16 && x_.device().is_cpu(),
               "bf16_rms_norm: x must be a bfloat16 CPU tensor");
@@ -149,15 +177,11 @@ at::Tensor bf16_rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps)
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+  // A decoding step normalises a few rows of a few hundred values: threads cost more than that.
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(H, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const at::BFloat16* xr = xp + m * H;
-      float ss = 0.f;
-      for (int64_t j = 0; j < H; ++j) {
-        const float v = static_cast<float>(xr[j]);
-        ss += v * v;
-      }
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      const float r = 1.f / std::sqrt(sum_squares(xr, H) / static_cast<float>(H) + feps);
       at::BFloat16* yr = yp + m * H;
       for (int64_t j = 0; j < H; ++j) {
         const float normed = static_cast<float>(at::BFloat16(static_cast<float>(xr[j]) * r));
@@ -166,6 +190,25 @@ at::Tensor bf16_rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps)
     }
   });
   return y;
+}
+
+// exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp),
+// clamped to +-88.37 so that it stays finite
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 at::Tensor silu_mul(const at::Tensor& gu_) {
@@ -178,14 +221,201 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   at::Tensor y = at::empty(shape, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t j = 0; j < I; ++j) {
-        const float g = gp[m * 2 * I + j];
-        yp[m * I + j] = g / (1.f + std::exp(-g)) * gp[m * 2 * I + I + j];
+  // work items: (row, block of 512 columns); a thread only pays for itself past ~8 of them
+  constexpr int64_t kBlock = 512;
+  const int64_t nb = (I + kBlock - 1) / kBlock;
+  at::parallel_for(0, M * nb, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = t / nb, j0 = (t % nb) * kBlock, j1 = std::min(I, j0 + kBlock);
+      const float* g = gp + m * 2 * I;
+      const float* u = g + I;
+      float* yr = yp + m * I;
+      int64_t j = j0;
+      for (; j + 8 <= j1; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + j)));
       }
+      for (; j < j1; ++j) yr[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
   });
   return y;
+}
+
+// q, k, v [B, heads, q, d] fp32 from one fused projection qkv [B, q, (H + 2 Hkv) d] fp32, with the
+// rotary embedding (rotate-half convention: x * cos + rotate_half(x) * sin) applied to q and k
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
+                                   int64_t H, int64_t Hkv) {
+  TORCH_CHECK(qkv_.dim() == 3 && qkv_.scalar_type() == at::kFloat && qkv_.device().is_cpu() && H > 0 && Hkv > 0 &&
+                  qkv_.size(2) % (H + 2 * Hkv) == 0 && (qkv_.size(2) / (H + 2 * Hkv)) % 2 == 0,
+              "rope_split: qkv must be a float32 CPU tensor [B, q, (H + 2 Hkv) d] with an even d");
+  const int64_t B = qkv_.size(0), Q = qkv_.size(1), D = qkv_.size(2) / (H + 2 * Hkv), D2 = D / 2;
+  TORCH_CHECK(cos_.dim() == 3 && cos_.sizes() == sin_.sizes() && cos_.size(0) == B && cos_.size(1) == Q &&
+                  cos_.size(2) == D,
+              "rope_split: cos and sin must be [B, q, d] like the projection");
+  const at::Tensor qkv = qkv_.contiguous();
+  const at::Tensor c = cos_.to(at::kFloat).contiguous(), s = sin_.to(at::kFloat).contiguous();
+  at::Tensor q = at::empty({B, H, Q, D}, qkv.options());
+  at::Tensor k = at::empty({B, Hkv, Q, D}, qkv.options());
+  at::Tensor v = at::empty({B, Hkv, Q, D}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Q; ++t) {
+      const float* x = xp + (b * Q + t) * (H + 2 * Hkv) * D;
+      const float* cr = cp + (b * Q + t) * D;
+      const float* sr = sp + (b * Q + t) * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        const float* xh = x + h * D;
+        float* out = h < H ? qp + ((b * H + h) * Q + t) * D : kp + ((b * Hkv + h - H) * Q + t) * D;
+        for (int64_t i = 0; i < D2; ++i) {
+          out[i] = xh[i] * cr[i] - xh[i + D2] * sr[i];
+          out[i + D2] = xh[i + D2] * cr[i + D2] + xh[i] * sr[i + D2];
+        }
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* xh = x + (H + Hkv + h) * D;
+        float* out = vp + ((b * Hkv + h) * Q + t) * D;
+        for (int64_t i = 0; i < D; ++i) out[i] = xh[i];
+      }
+    }
+  return {q, k, v};
+}
+
+// sum of the 8 lanes of v in a fixed order
+inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// o[0:8 DB] = inv * sum_m p[m] v[idx[m]] (rows of v `stride` apart), accumulators in registers; the
+// same per-element order (m ascending, then one multiply) as attend's generic loop
+template <int DB>
+inline void weighted_rows(const float* p, const int64_t* idx, int64_t n, const float* v, int64_t stride, float inv,
+                          float* o) {
+  __m256 acc[DB];
+  _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) acc[d] = _mm256_setzero_ps();
+  for (int64_t m = 0; m < n; ++m) {
+    const __m256 pm = _mm256_set1_ps(p[m]);
+    const float* vr = v + idx[m] * stride;
+    _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) acc[d] = _mm256_fmadd_ps(pm, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+  }
+  const __m256 iv = _mm256_set1_ps(inv);
+  _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], iv));
+}
+
+// Attention in fp32 whose every output row is a function of that row's query and the keys it sees
+// only -- the same bits whatever else is in the call (other rows, masked keys, where in the cache
+// the visible keys lie): the visible keys are gathered in cache order first, and scores, softmax
+// and the weighted sum of values run over that list with a fixed summation order. So a draft tree
+// verified in one call yields exactly the numbers a one-token step would (a greedy tree step then
+// accepts exactly the tokens plain decoding emits), which torch's sdpa, blocking by call shape,
+// does not promise.
+//   q [B, H, Q, D], k/v [B, Hkv, L, D] (last dim contiguous; H a multiple of Hkv; D % 8 == 0),
+//   mask: additive float [B or 1, 1, Q, L] (entries <= -1e30 hide a key) or bool (true = visible),
+//   or undefined with causal (row i sees keys <= L - Q + i) or not (every key)
+//   -> out [B, Q, H, D] fp32 (o_proj's input layout)
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask_,
+                  bool causal, double scale) {
+  TORCH_CHECK(q_.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q_.device().is_cpu(),
+              "attend: q, k, v must be float32 CPU tensors [B, heads, len, D]");
+  const at::Tensor q = q_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(D % 8 == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L && k.size(3) == D &&
+                  v.size(3) == D && Hkv > 0 && H % Hkv == 0 && k.stride(3) == 1 && v.stride(3) == 1,
+              "attend: shapes do not match (D a multiple of 8, H a multiple of Hkv, last dims contiguous)");
+  at::Tensor mask;
+  const bool has_mask = mask_.has_value() && mask_->defined();
+  if (has_mask) {
+    TORCH_CHECK(mask_->dim() == 4 && (mask_->size(0) == 1 || mask_->size(0) == B) && mask_->size(1) == 1 &&
+                    mask_->size(2) == Q && mask_->size(3) == L,
+                "attend: mask must be [B or 1, 1, Q, L]");
+    mask = mask_->scalar_type() == at::kBool ? mask_->contiguous() : mask_->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({B, Q, H, D}, q.options());
+  const int64_t G = H / Hkv;
+  const float fscale = static_cast<float>(scale);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // plain pointers and strides: tensor accessors cost a call each, far too much in these loops
+  const bool* mbool = has_mask && mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
+  const float* mfloat = has_mask && !mbool ? mask.data_ptr<float>() : nullptr;
+  const int64_t mask_b = has_mask && mask.size(0) != 1 ? Q * L : 0;
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  // one task per (batch, kv head, query row): the row's visible keys, then its G heads
+  at::parallel_for(0, B * Hkv * Q, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> idx(L);
+    std::vector<float> bias(L), sc(L + 8);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hkv * Q), hk = (t / Q) % Hkv, i = t % Q;
+      const int64_t last = causal ? L - Q + i : L - 1;
+      int64_t n = 0;
+      if (mbool) {
+        const bool* mr = mbool + b * mask_b + i * L;
+        for (int64_t j = 0; j <= last; ++j)
+          if (mr[j]) {
+            idx[n] = j;
+            bias[n++] = 0.f;
+          }
+      } else if (mfloat) {
+        const float* mr = mfloat + b * mask_b + i * L;
+        for (int64_t j = 0; j <= last; ++j)
+          if (mr[j] > -1e30f) {
+            idx[n] = j;
+            bias[n++] = mr[j];
+          }
+      } else {
+        for (int64_t j = 0; j <= last; ++j) {
+          idx[n] = j;
+          bias[n++] = 0.f;
+        }
+      }
+      const float* kb = kp + b * ks0 + hk * ks1;
+      const float* vb = vp + b * vs0 + hk * vs1;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        const float* qr = qp + ((b * H + h) * Q + i) * D;
+        float* o = op + ((b * Q + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        if (n == 0) continue;  // nothing visible: zeros (sdpa would give NaN)
+        float mx = -INFINITY;
+        for (int64_t m = 0; m < n; ++m) {
+          const float* kr = kb + idx[m] * ks2;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), acc);
+          sc[m] = hsum8(acc) * fscale + bias[m];
+          mx = std::max(mx, sc[m]);
+        }
+        for (int64_t m = n; m < ((n + 7) / 8) * 8; ++m) sc[m] = -INFINITY;  // padding lanes, unused
+        const __m256 mxv = _mm256_set1_ps(mx);
+        for (int64_t m = 0; m < n; m += 8)
+          _mm256_storeu_ps(sc.data() + m, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + m), mxv)));
+        float total = 0.f;
+        for (int64_t m = 0; m < n; ++m) total += sc[m];
+        // o = sum_m p_m v_m / total, each output element summed sequentially in key order
+        if (D == 64) {
+          weighted_rows<8>(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o);
+        } else if (D == 128) {
+          weighted_rows<16>(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o);
+        } else {
+          for (int64_t m = 0; m < n; ++m) {
+            const __m256 p = _mm256_set1_ps(sc[m]);
+            const float* vr = vb + idx[m] * vs2;
+            for (int64_t d = 0; d < D; d += 8)
+              _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
+          }
+          const __m256 inv = _mm256_set1_ps(1.f / total);
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+        }
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -195,6 +425,8 @@ TORCH_LIBRARY(entmtp_cpu, m) {
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv) -> Tensor[]");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(entmtp_cpu, CPU, m) {
@@ -202,4 +434,6 @@ TORCH_LIBRARY_IMPL(entmtp_cpu, CPU, m) {
   m.impl("bf16_panels_linear", &bf16_panels_linear);
   m.impl("bf16_rms_norm", &bf16_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_split", &rope_split);
+  m.impl("attend", &attend);
 }
