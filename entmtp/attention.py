@@ -12,6 +12,8 @@ Two users: the model's own layers, through a transformers attention function reg
 `FP32_SDPA` that `kernels.decode_model` selects on the decoding twin only (transformers'
 `generate` on the model itself keeps its own attention), and the Hydra++ prefix layer of the
 draft heads (`heads.PrefixLayer`), whose per-request keys/values are then kept in float32.
+With entmtp's panel kernels, Llama-style attentions of the twin are replaced outright by
+`kernels.FusedAttention` (its own float32 attention op, `attend`); `FP32_SDPA` serves the rest.
 """
 
 from __future__ import annotations

@@ -27,12 +27,14 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert s["meta"]["lookup"] == {"baseline": 0, "lookup": 8, "hydra": 0, "dynamic": 0}
     for m, v in s["methods"].items():
         assert v["identical_to_hf"] == 1.0  # float32 greedy: every method is lossless
+        assert v.get("identical_to_baseline") == (None if m in ("hf", "pld") else 1.0)  # our methods vs our loop
         assert v["tokens_per_s"] > 0 and v["tau"] >= 1.0 and v["prompts"] == 4
     assert s["methods"]["hf"]["speedup_vs_hf"] == 1.0 and s["methods"]["baseline"]["tau"] == 1.0
     assert set(s["categories"]) == {"chat", "math"}
     with open(out / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == 4 * 6
-    assert "| hydra |" in (out / "report.md").read_text() and "plotly" in (out / "report.html").read_text()
+    report = (out / "report.md").read_text()
+    assert "| hydra |" in report and "identical to baseline |" in report and "plotly" in (out / "report.html").read_text()
     # what ran where: the hardware class, and the trees the heads record (none here) and the override
     assert s["meta"]["hardware"].startswith("cpu-") and s["meta"]["overrides"]["tree"] == "binary_2x2"
     assert list(s["meta"]["recorded_trees"].values()) == [{"tree": None, "bank": None}]  # one head set, nothing recorded
