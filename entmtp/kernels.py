@@ -417,7 +417,7 @@ class FusedAttention(nn.Module):
             return False
         layer_types = getattr(cfg, "layer_types", None) or []
         idx = getattr(mod, "layer_idx", None)
-        return (set(mod._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} and isinstance(head_dim, int)
+        return (set(mod._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
                 and isinstance(idx, int) and isinstance(getattr(mod, "scaling", None), float)
                 and len({x.bias is None for x in lins[:3]}) == 1 and lins[3].bias is None
                 and lins[0].out_features % head_dim == 0 and lins[1].out_features % head_dim == 0
