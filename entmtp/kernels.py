@@ -55,6 +55,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .attention import fp32_attention_wanted, fp32_sdpa_attention, use_fp32_attention
+
 KERNELS = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
@@ -428,8 +430,6 @@ class FusedAttention(nn.Module):
                      else getattr(cfg, "sliding_window", None) is None))
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        from .attention import fp32_sdpa_attention
-
         ops = torch.ops.entmtp_cpu
         b, q_len = hidden_states.shape[:2]
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -604,7 +604,6 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     cannot); "stock" changes nothing."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
-    from .attention import fp32_attention_wanted, use_fp32_attention
 
     p = next(model.parameters())
     fp32_attention = kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \

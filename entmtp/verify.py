@@ -15,7 +15,6 @@ import torch
 
 from .hardware import fast_bf16_matmul
 from .kernels import packed_layer
-from .kvcache import GrowingLayer
 
 
 class UnsupportedModelError(RuntimeError):
@@ -82,11 +81,8 @@ def keep_cache_entries(cache, past: int, path: list[int], n_tree: int) -> None:
         # index_select copies first, so writing into the same storage is safe.
         keys[:, :, past: past + a] = keys.index_select(-2, s)
         layer.values[:, :, past: past + a] = layer.values.index_select(-2, s)
-        if isinstance(layer, GrowingLayer):  # its keys are views of its buffers: shorten, don't rebind
-            layer.crop(past + a - layer.get_seq_length())
-        else:
-            layer.keys = keys[:, :, : past + a]
-            layer.values = layer.values[:, :, : past + a]
+        # the layer's own crop (negative count): a GrowingLayer shortens its views, a DynamicLayer slices
+        layer.crop(past + a - layer.get_seq_length())
 
 
 def forward(model, input_ids: torch.Tensor, cache, *, mask: Optional[torch.Tensor] = None,
