@@ -588,17 +588,19 @@ def test_fused_attention_only_where_attention_runs_in_float32(panels_only, monke
 
 
 @needs_panels
-def test_attend_is_the_attention_and_each_row_its_own():
+@pytest.mark.parametrize("d", [16, 64, 72, 128])  # 72: a 64-column chunk and an 8-column one
+def test_attend_is_the_attention_and_each_row_its_own(d):
     """attend: within fp32 rounding of float64 attention, for a causal prompt, a tree mask and a
     bool mask; and a tree's row is bit for bit that row alone over just the keys it sees, stored
-    contiguously -- what a one-token step on the accepted path computes."""
+    contiguously -- what a one-token step on the accepted path computes (keys scored 8 at a time:
+    a key's score must not depend on the keys beside it)."""
     from test_attention import exact_attention
 
     ops = torch.ops.entmtp_cpu
     g = torch.Generator().manual_seed(4)
     past, n = 37, 6
-    q = torch.randn(1, 6, n, 16, generator=g)
-    k, v = (torch.randn(1, 2, past + n, 16, generator=g) for _ in range(2))
+    q = torch.randn(1, 6, n, d, generator=g)
+    k, v = (torch.randn(1, 2, past + n, d, generator=g) for _ in range(2))
     parents = [-1, 0, 0, 1, 3, 2]  # a tree over the last n positions
     visible = torch.zeros(n, past + n, dtype=torch.bool)
     visible[:, :past] = True
@@ -607,7 +609,7 @@ def test_attend_is_the_attention_and_each_row_its_own():
         while j >= 0:
             visible[i, past + j], j = True, parents[j]
     additive = torch.zeros(1, 1, n, past + n).masked_fill(~visible, torch.finfo(torch.float32).min)
-    scale = 16 ** -0.5
+    scale = d ** -0.5
     out = ops.attend(q, k, v, additive, False, scale)  # [1, n, 6, 16]
     close = dict(rtol=1e-5, atol=1e-6)  # float32 against float64
     torch.testing.assert_close(out.double(), exact_attention(q, k, v, visible).transpose(1, 2), **close)
@@ -620,10 +622,10 @@ def test_attend_is_the_attention_and_each_row_its_own():
         alone = ops.attend(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], None, False, scale)
         assert torch.equal(alone[:, 0], out[:, i])
     # a strided cache view (kvcache.GrowingLayer's) reads the same numbers
-    buf = torch.zeros(1, 2, 64, 16)
+    buf = torch.zeros(1, 2, 64, d)
     buf[:, :, :past + n] = k
     assert torch.equal(ops.attend(q, buf[:, :, :past + n], v, additive, False, scale), out)
     with pytest.raises(RuntimeError, match="attend: shapes do not match"):
-        ops.attend(q[..., :12], k[..., :12], v[..., :12], None, True, scale)
+        ops.attend(q[..., :12], k[..., :12], v[..., :12], None, True, scale)  # 12 % 8 != 0
     with pytest.raises(RuntimeError, match=r"attend: mask must be \[B or 1, 1, Q, L\]"):
         ops.attend(q, k, v, additive[..., :-1], False, scale)

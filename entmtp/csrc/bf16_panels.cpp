@@ -282,27 +282,77 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_, const at::Tensor& cos
   return {q, k, v};
 }
 
-// sum of the 8 lanes of v in a fixed order
-inline float hsum8(__m256 v) {
+// across the 8 lanes of v in a fixed order
+inline float lanes_sum(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
+inline float lanes_max(__m256 v) {
+  const __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_max_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_max_ss(s2, _mm_movehdup_ps(s2)));
+}
 
-// o[0:8 DB] = inv * sum_m p[m] v[idx[m]] (rows of v `stride` apart), accumulators in registers; the
-// same per-element order (m ascending, then one multiply) as attend's generic loop
+// o[0:8 DB] = inv * sum_m p[m] v[idx[m]] (rows of v `stride` apart), accumulators in registers: each
+// element summed in key order, then one multiply
 template <int DB>
 inline void weighted_rows(const float* p, const int64_t* idx, int64_t n, const float* v, int64_t stride, float inv,
                           float* o) {
   __m256 acc[DB];
-  _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) acc[d] = _mm256_setzero_ps();
+  _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) acc[d] = _mm256_setzero_ps();
   for (int64_t m = 0; m < n; ++m) {
     const __m256 pm = _mm256_set1_ps(p[m]);
     const float* vr = v + idx[m] * stride;
-    _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) acc[d] = _mm256_fmadd_ps(pm, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+    _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) acc[d] = _mm256_fmadd_ps(pm, _mm256_loadu_ps(vr + 8 * d), acc[d]);
   }
   const __m256 iv = _mm256_set1_ps(inv);
-  _Pragma("GCC unroll 16") for (int d = 0; d < DB; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], iv));
+  _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], iv));
+}
+
+// o[0:D] = inv * sum_m p[m] v[idx[m]] for any D % 8 == 0, in chunks of at most 64 columns (8 registers)
+inline void weighted_sum(const float* p, const int64_t* idx, int64_t n, const float* v, int64_t stride, float inv,
+                         float* o, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const float* vc = v + d0;
+    float* oc = o + d0;
+    switch (std::min<int64_t>(8, (D - d0) / 8)) {
+      case 8: weighted_rows<8>(p, idx, n, vc, stride, inv, oc); break;
+      case 7: weighted_rows<7>(p, idx, n, vc, stride, inv, oc); break;
+      case 6: weighted_rows<6>(p, idx, n, vc, stride, inv, oc); break;
+      case 5: weighted_rows<5>(p, idx, n, vc, stride, inv, oc); break;
+      case 4: weighted_rows<4>(p, idx, n, vc, stride, inv, oc); break;
+      case 3: weighted_rows<3>(p, idx, n, vc, stride, inv, oc); break;
+      case 2: weighted_rows<2>(p, idx, n, vc, stride, inv, oc); break;
+      default: weighted_rows<1>(p, idx, n, vc, stride, inv, oc); break;
+    }
+  }
+}
+
+// s[m] = scale * (q . k[idx[m]]) + bias[m] for m < n rounded up to 8 (idx and bias padded by the
+// caller), eight keys at a time: each key's dot product accumulates its 8-float blocks in d order in
+// its own register (eight independent FMA chains instead of one), then one transpose-reduction sums
+// each key's lanes as ((0+1)+(2+3))+((4+5)+(6+7)) -- the same in every slot, so a key's score does
+// not depend on which keys share its block
+inline void key_scores(const float* qr, const float* kb, int64_t stride, const int64_t* idx, const float* bias,
+                       int64_t n, int64_t D, float scale, float* s) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t m = 0; m < n; m += 8) {
+    const float* kr[8];
+    __m256 a[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+      kr[j] = kb + idx[m + j] * stride;
+      a[j] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qr + d);
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), a[j]);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(s + m, _mm256_add_ps(_mm256_mul_ps(dot, sv), _mm256_loadu_ps(bias + m)));
+  }
 }
 
 // Attention in fp32 whose every output row is a function of that row's query and the keys it sees
@@ -349,8 +399,8 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   // one task per (batch, kv head, query row): the row's visible keys, then its G heads
   at::parallel_for(0, B * Hkv * Q, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> idx(L);
-    std::vector<float> bias(L), sc(L + 8);
+    std::vector<int64_t> idx(L + 8);
+    std::vector<float> bias(L + 8), sc(L + 8);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (Hkv * Q), hk = (t / Q) % Hkv, i = t % Q;
       const int64_t last = causal ? L - Q + i : L - 1;
@@ -375,43 +425,37 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
           bias[n++] = 0.f;
         }
       }
+      const int64_t n8 = (n + 7) / 8 * 8;
+      for (int64_t m = n; m < n8; ++m) {  // padding slots: a visible key, scores unused
+        idx[m] = idx[0];
+        bias[m] = 0.f;
+      }
       const float* kb = kp + b * ks0 + hk * ks1;
       const float* vb = vp + b * vs0 + hk * vs1;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
         const float* qr = qp + ((b * H + h) * Q + i) * D;
         float* o = op + ((b * Q + i) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-        if (n == 0) continue;  // nothing visible: zeros (sdpa would give NaN)
-        float mx = -INFINITY;
-        for (int64_t m = 0; m < n; ++m) {
-          const float* kr = kb + idx[m] * ks2;
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), acc);
-          sc[m] = hsum8(acc) * fscale + bias[m];
-          mx = std::max(mx, sc[m]);
+        if (n == 0) {  // nothing visible: zeros (sdpa would give NaN)
+          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+          continue;
         }
-        for (int64_t m = n; m < ((n + 7) / 8) * 8; ++m) sc[m] = -INFINITY;  // padding lanes, unused
-        const __m256 mxv = _mm256_set1_ps(mx);
-        for (int64_t m = 0; m < n; m += 8)
-          _mm256_storeu_ps(sc.data() + m, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + m), mxv)));
-        float total = 0.f;
-        for (int64_t m = 0; m < n; ++m) total += sc[m];
+        key_scores(qr, kb, ks2, idx.data(), bias.data(), n, D, fscale, sc.data());
+        for (int64_t m = n; m < n8; ++m) sc[m] = -INFINITY;  // padding slots: no weight
+        // max and sum over eight lanes, then across lanes in a fixed order (vs one serial chain)
+        __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t m = 0; m < n8; m += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc.data() + m));
+        const __m256 mxv = _mm256_set1_ps(lanes_max(mx8));
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int64_t m = 0; m < n8; m += 8) {
+          const __m256 x = _mm256_loadu_ps(sc.data() + m);  // padding: exactly 0 (exp8 clamps -inf to e^-88)
+          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mxv)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+          _mm256_storeu_ps(sc.data() + m, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        const float total = lanes_sum(sum8);
         // o = sum_m p_m v_m / total, each output element summed sequentially in key order
-        if (D == 64) {
-          weighted_rows<8>(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o);
-        } else if (D == 128) {
-          weighted_rows<16>(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o);
-        } else {
-          for (int64_t m = 0; m < n; ++m) {
-            const __m256 p = _mm256_set1_ps(sc[m]);
-            const float* vr = vb + idx[m] * vs2;
-            for (int64_t d = 0; d < D; d += 8)
-              _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
-          }
-          const __m256 inv = _mm256_set1_ps(1.f / total);
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
-        }
+        weighted_sum(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o, D);
       }
     }
   });
