@@ -1002,13 +1002,27 @@ def _isotonic(y: Sequence[float]) -> list[float]:
     return out
 
 
+def _interpolate(xs: np.ndarray, ys: np.ndarray, n: float) -> float:
+    """A monotone fit's value at size n: linear between points, the last slope beyond them,
+    proportional to size beyond a single point."""
+    if len(xs) == 1:
+        return float(ys[0]) * max(1.0, n / xs[0]) if n > xs[0] else float(ys[0])
+    if n <= xs[-1]:
+        return float(np.interp(n, xs, ys))
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return float(ys[-1] + slope * (n - xs[-1]))
+
+
 @dataclass
 class LatencyModel:
     """Seconds per decoding step (draft + verify + bookkeeping) by tree size and depth.
 
     points[depth] = [(n_nodes, seconds), ...] measured (median of repeats), sorted by size;
     baseline_s: a root-only (plain decoding) step. `cost` interpolates linearly in the
-    size after a monotone (non-decreasing) fit per depth, and extrapolates with the last slope.
+    size after a monotone fit, and extrapolates with the last slope. The fit is non-decreasing
+    in size per depth, and in depth at equal size: a deeper tree of as many nodes verifies as
+    many rows and drafts more levels, so it never costs less (a noisy, lucky measurement of one
+    depth would otherwise make its trees look cheaper than they are and win the search).
     """
 
     baseline_s: float
@@ -1017,8 +1031,14 @@ class LatencyModel:
 
     def __post_init__(self):
         self.points = {int(d): sorted((int(n), float(t)) for n, t in pts) for d, pts in self.points.items() if pts}
-        self._fit = {d: (np.array([n for n, _ in pts], float), np.array(_isotonic([t for _, t in pts])))
-                     for d, pts in self.points.items()}
+        self._fit = {}
+        shallower = None
+        for d in sorted(self.points):
+            xs = np.array([n for n, _ in self.points[d]], float)
+            ys = np.array(_isotonic([t for _, t in self.points[d]]))
+            if shallower is not None:
+                ys = np.maximum(ys, [_interpolate(*shallower, n) for n in xs])
+            self._fit[d] = shallower = (xs, ys)
 
     @property
     def max_nodes(self) -> int:
@@ -1038,13 +1058,7 @@ class LatencyModel:
         if n_nodes <= 0 or not self._fit:
             return self.baseline_s
         d = depth if depth in self._fit else min(self._fit, key=lambda k: (abs(k - depth), -k))
-        xs, ys = self._fit[d]
-        if len(xs) == 1:
-            return float(ys[0]) * max(1.0, n_nodes / xs[0]) if n_nodes > xs[0] else float(ys[0])
-        if n_nodes <= xs[-1]:
-            return float(np.interp(n_nodes, xs, ys))
-        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-        return float(ys[-1] + slope * (n_nodes - xs[-1]))
+        return _interpolate(*self._fit[d], n_nodes)
 
     def tokens_per_s(self, tau: float, n_nodes: int, depth: int) -> float:
         c = self.cost(n_nodes, depth)

@@ -372,6 +372,17 @@ def test_latency_model_fit_and_json():
     assert back.points == lm.points and back.cost(6, 1) == lm.cost(6, 1)
 
 
+def test_latency_model_never_makes_a_deeper_tree_cheaper():
+    """A lucky measurement of a deep tree (below a shallower tree of the same size) is raised to
+    the shallower one's cost; a deeper tree that really costs more keeps its own."""
+    lm = LatencyModel(0.030, {1: [(1, 0.033), (2, 0.0355), (3, 0.038)], 2: [(2, 0.031), (3, 0.040)], 3: [(3, 0.039)]})
+    assert lm.cost(2, 2) == pytest.approx(0.0355)  # measured 0.031: cheaper than one level of 2 nodes
+    assert lm.cost(3, 2) == pytest.approx(0.040)  # measured above depth 1: kept
+    assert lm.cost(3, 3) == pytest.approx(0.040)  # not below depth 2's fitted cost
+    assert lm.points[2][0] == (2, 0.031)  # the measurements themselves are kept as measured
+    assert all(lm.cost(n, d) <= lm.cost(n, d + 1) for n in range(3, 12) for d in (1, 2))
+
+
 def test_size_grid_is_dense_where_trees_live():
     assert size_grid(64) == list(range(1, 17)) + [24, 32, 48, 64]
     assert size_grid(5) == [1, 2, 3, 4, 5]
