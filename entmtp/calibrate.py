@@ -1020,9 +1020,10 @@ class LatencyModel:
     points[depth] = [(n_nodes, seconds), ...] measured (median of repeats), sorted by size;
     baseline_s: a root-only (plain decoding) step. `cost` interpolates linearly in the
     size after a monotone fit, and extrapolates with the last slope. The fit is non-decreasing
-    in size per depth, and in depth at equal size: a deeper tree of as many nodes verifies as
-    many rows and drafts more levels, so it never costs less (a noisy, lucky measurement of one
-    depth would otherwise make its trees look cheaper than they are and win the search).
+    in size per depth, and in depth at equal size within the sizes the shallower depth was
+    measured at: a deeper tree of as many nodes verifies as many rows and drafts more levels, so
+    it never costs less (a noisy, lucky measurement of one depth would otherwise make its trees
+    look cheaper than they are and win the search).
     """
 
     baseline_s: float
@@ -1036,8 +1037,8 @@ class LatencyModel:
         for d in sorted(self.points):
             xs = np.array([n for n, _ in self.points[d]], float)
             ys = np.array(_isotonic([t for _, t in self.points[d]]))
-            if shallower is not None:
-                ys = np.maximum(ys, [_interpolate(*shallower, n) for n in xs])
+            if shallower is not None:  # where the shallower depth was measured (not extrapolated)
+                ys = np.maximum(ys, [_interpolate(*shallower, n) if n <= shallower[0][-1] else 0.0 for n in xs])
             self._fit[d] = shallower = (xs, ys)
 
     @property

