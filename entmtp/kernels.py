@@ -604,7 +604,6 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     cannot); "stock" changes nothing."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
-
     p = next(model.parameters())
     fp32_attention = kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \
         and fp32_attention_wanted(p.dtype, p.device)

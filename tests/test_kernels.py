@@ -592,8 +592,8 @@ def test_fused_attention_only_where_attention_runs_in_float32(panels_only, monke
 def test_attend_is_the_attention_and_each_row_its_own(d):
     """attend: within fp32 rounding of float64 attention, for a causal prompt, a tree mask and a
     bool mask; and a tree's row is bit for bit that row alone over just the keys it sees, stored
-    contiguously -- what a one-token step on the accepted path computes (keys scored 8 at a time:
-    a key's score must not depend on the keys beside it)."""
+    contiguously -- what a one-token step on the accepted path computes. Rows see 38-43 keys, so
+    the 8-key score blocks are padded (the padding must carry no weight)."""
     from test_attention import exact_attention
 
     ops = torch.ops.entmtp_cpu
@@ -610,7 +610,7 @@ def test_attend_is_the_attention_and_each_row_its_own(d):
             visible[i, past + j], j = True, parents[j]
     additive = torch.zeros(1, 1, n, past + n).masked_fill(~visible, torch.finfo(torch.float32).min)
     scale = d ** -0.5
-    out = ops.attend(q, k, v, additive, False, scale)  # [1, n, 6, 16]
+    out = ops.attend(q, k, v, additive, False, scale)  # [1, n, 6, d]
     close = dict(rtol=1e-5, atol=1e-6)  # float32 against float64
     torch.testing.assert_close(out.double(), exact_attention(q, k, v, visible).transpose(1, 2), **close)
     assert torch.equal(ops.attend(q, k, v, visible[None, None], False, scale), out)
