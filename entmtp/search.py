@@ -872,6 +872,49 @@ def _gather_stats(local: CalibrationStats, state) -> CalibrationStats:
     return CalibrationStats.merge([CalibrationStats.from_json(p) for p in parts])
 
 
+def _stats_prompt_ids(stats: CalibrationStats) -> list:
+    return list(stats.prompts) or list(dict.fromkeys(r.prompt_id for r in stats.records))
+
+
+def reused_stats(path: str | Path, want: dict, heads_config: dict, spec: RuleSpec, max_rank: int, union: Optional[Tree],
+                 calib_ids: list, held: list) -> tuple[CalibrationStats, Optional[CalibrationStats]]:
+    """(statistics, held-out statistics or None) of the earlier search in directory `path`, after
+    checking that they answer this search: the same model, heads (name, count and configuration),
+    data, rule, dtype, new tokens per prompt, statistics method, ranks / union, and calibration
+    prompts; held-out statistics are kept when they cover exactly this search's held-out prompts.
+    DataError with the first mismatch otherwise."""
+    d = Path(path)
+    if not (d / "stats.json").is_file():
+        raise DataError(f"--stats {path}: no stats.json there (give an earlier search's output directory)")
+    stats = CalibrationStats.load(d / "stats.json")
+    meta = stats.meta
+    for k, v in want.items():
+        if meta.get(k) != v:
+            raise DataError(f"--stats {path}: its statistics are for {k} = {meta.get(k)!r}, this search's is {v!r}")
+    if stats.rule.to_json() != spec.to_json():
+        raise DataError(f"--stats {path}: its statistics are for the rule {stats.rule.label}, this search's is {spec.label}")
+    if stats.mode == "trace" and stats.max_rank != max_rank:
+        raise DataError(f"--stats {path}: its statistics cover ranks < {stats.max_rank}, this search asks for < {max_rank}")
+    if stats.mode == "rollout" and union is not None and stats.union.paths != union.paths:
+        raise DataError(f"--stats {path}: its rollouts used another union tree than --union")
+    ids = _stats_prompt_ids(stats)
+    if sorted(ids) != sorted(calib_ids):
+        raise DataError(f"--stats {path}: its statistics are for {len(ids)} other calibration prompts than this search's "
+                        f"{len(calib_ids)} (same --data, --held-out, --seed and --max-prompts?)")
+    prov_file = d / "search.json"
+    if prov_file.is_file():
+        prov = (read_stats_json(prov_file).get("provenance") or {}).get("heads") or {}
+        if prov.get("config") is not None and prov["config"] != heads_config:
+            raise DataError(f"--stats {path}: its statistics are for other {want['heads']} heads (another configuration)")
+    held_stats = None
+    if held and (d / "held_out_stats.json").is_file():
+        hs = CalibrationStats.load(d / "held_out_stats.json")
+        ids = _stats_prompt_ids(hs)
+        if sorted(ids) == sorted(p.id for p in held[:len(ids)]) and hs.meta.get("data_sha256") == want["data_sha256"]:
+            held_stats = hs
+    return stats, held_stats
+
+
 def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budgets: Sequence[int] = (4, 8, 16, 32, 64), *,
                rule: RuleSpec | str | None = None, max_new_tokens: int = 64, union: Optional[Tree] = None,
                union_nodes: int = 128, depths: Optional[Sequence[int]] = None, methods: Sequence[str] = ("greedy", "dp"),
@@ -879,7 +922,8 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                max_held_out: int = 48,
                decompose: bool = True, latency: Optional[LatencyModel] = None, remeasure: bool = False,
                latency_repeats: int = 5, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
-               progress: Optional[Progress] = None, state=None, command: Optional[str] = None) -> Optional[SearchReport]:
+               progress: Optional[Progress] = None, state=None, command: Optional[str] = None,
+               reuse_stats: str | Path | None = None) -> Optional[SearchReport]:
     """The whole topology search (see the module docstring).
 
     prompts: `Prompt`s or a `PromptSet` (its source and sha256 go into the provenance).
@@ -891,6 +935,9 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     cheap), to split a prediction gap into prompt and on-policy effects.
     state: an `accelerate.PartialState` with several processes shards the statistics passes;
     then only the main process returns the report (the others return None).
+    reuse_stats: an earlier search's output directory whose statistics (and held-out statistics)
+    replace the statistics pass -- checked to be for these heads, prompts, rule, dtype and
+    length -- so that a search after a kernel or latency change only re-times and re-chooses.
     """
     t_start = time.perf_counter()
     budgets = _check_budgets(budgets)
@@ -942,9 +989,17 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     t0 = time.perf_counter()
     mine = _shard(calib, state) if distributed else calib
     kw = dict(method=method, max_rank=max_rank, batch_size=batch_size)
-    stats = collect_stats(engine, heads, mine, union, spec, max_new_tokens, progress=progress, meta=meta, **kw)
     held_stats = None
-    if held and (decompose or method == "trace"):
+    if reuse_stats is not None:
+        if distributed:
+            raise ValueError("reused statistics need no statistics pass: run the search in one process")
+        want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "heads": heads, "num_heads": K,
+                "max_new_tokens": max_new_tokens, "dtype": str(engine.dtype).removeprefix("torch."), "method": method}
+        stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, max_rank, union,
+                                         [p.id for p in calib], held)
+    else:
+        stats = collect_stats(engine, heads, mine, union, spec, max_new_tokens, progress=progress, meta=meta, **kw)
+    if reuse_stats is None and held and (decompose or method == "trace"):
         # traces are cheap: replay on many held-out prompts; rollouts: only the evaluated ones
         hp = held[:max_held_out] if method == "trace" else held[:max_eval]
         mine_h = _shard(hp, state) if distributed else hp
@@ -985,6 +1040,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                   "device": str(engine.device), "machine": machine_info(), "seed": seed, "held_out_fraction": held_out,
                   "max_new_tokens": max_new_tokens, "methods": list(methods), "command": command,
                   "processes": getattr(state, "num_processes", 1) if state is not None else 1,
+                  "reused_statistics": str(reuse_stats) if reuse_stats is not None else None,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report = SearchReport(provenance, budgets, stats, latency, cands, front, None, held_stats, timings)
     report.fit_bank()
@@ -1127,6 +1183,9 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="greedy,dp", help="search methods: greedy, dp")
     p.add_argument("--no-decompose", action="store_true", help="rollout statistics: skip the union pass over the held-out prompts "
                                                                  "(which splits prediction gaps into prompt and on-policy parts)")
+    p.add_argument("--stats", default=None, help="reuse an earlier search's statistics (its output directory) instead of a "
+                                                 "statistics pass -- checked to be for the same model, heads, data, rule, dtype "
+                                                 "and --max-new-tokens; for re-searching after a kernel or latency change")
     p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. trees/)")
     p.add_argument("--tag", default="", help="tag in the saved tree and bank names, e.g. fp32 -> MODEL-HEADS-fp32-b8.json")
 
@@ -1238,7 +1297,8 @@ def cmd_search(args) -> int:
                         max_calibration=args.max_prompts, max_eval=args.eval_prompts, max_held_out=args.held_out_prompts,
                         decompose=not args.no_decompose,
                         remeasure=args.remeasure, latency_repeats=args.latency_repeats, stats_method=args.stats_method,
-                        max_rank=args.max_rank, batch_size=args.batch_size, progress=bars, state=state, command=command)
+                        max_rank=args.max_rank, batch_size=args.batch_size, progress=bars, state=state, command=command,
+                        reuse_stats=args.stats)
     if state is not None:
         _end_distributed()
     if report is None:

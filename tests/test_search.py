@@ -537,6 +537,19 @@ def test_run_search_library_api(tiny_dir, tmp_path, monkeypatch):
     assert set(rep.figures()) == {"tau", "tokens_per_s"}
     json.dumps(d)  # JSON-safe (no NaN)
     assert d["stats"]["mode"] == "trace"
+    # a second search reusing these statistics (after a kernel change, say) runs no statistics pass
+    # and, from the same statistics, predicts the same taus; statistics for another length are refused
+    rep.write(tmp_path / "first")
+    seen.clear()
+    again = run_search(eng, "hydra", load_prompts(tiny_dir / "prompts.jsonl"), [2, 4], max_new_tokens=10, latency_repeats=1,
+                       progress=lambda phase, done, total: seen.add(phase), reuse_stats=tmp_path / "first")
+    assert "statistics" not in seen and "held-out statistics" not in seen and "search" in seen
+    assert again.held_out_stats is not None and again.provenance["reused_statistics"] == str(tmp_path / "first")
+    taus = lambda r: {c.tree.paths: round(c.predicted_tau, 9) for c in r.candidates}
+    assert taus(again) == taus(rep)
+    with pytest.raises(DataError, match="max_new_tokens = 10, this search's is 8"):
+        run_search(eng, "hydra", load_prompts(tiny_dir / "prompts.jsonl"), [2, 4], max_new_tokens=8, latency_repeats=1,
+                   reuse_stats=tmp_path / "first")
     # typical acceptance: union rollouts, the held-out gap split by a union pass over the held-out prompts
     typ = run_search(eng, "hydra", load_prompts(tiny_dir / "prompts.jsonl"), [2, 4], rule="typical", max_new_tokens=8,
                      union_nodes=20, latency_repeats=1, max_eval=2)
