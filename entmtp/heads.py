@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_attention_wanted, fp32_sdpa
-from .kernels import can_pack, packed_twin, shared_linear
+from .kernels import probe_ok, can_pack, pack_method, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -242,6 +242,71 @@ class PrefixLayer(nn.Module):
         return self.norm(x)
 
 
+class FusedPrefixLayer(nn.Module):
+    """The Hydra++ layer on entmtp's AVX2 kernel library, for bf16 heads whose layer attends in
+    float32 (`PrefixState(dtype=float32)`): RMSNorms as one op each, q|k|v and gate|up as one panel
+    product each (fp32 sums), the rotary embedding with the head split in one op, the attention as
+    one `attend` call (causal over the cached keys), about 12 op calls instead of some 60 -- the
+    layer runs once per decoding step and cost ~2 ms in dispatch, more than its arithmetic.
+    Within bf16 rounding of the exact layer (probed); drafts only, so never what is emitted.
+    Weights are the replaced layer's (shared); forward(x [B, T, h] bf16, state) -> [B, T, h] bf16."""
+
+    claim = "within bf16 rounding of the exact Hydra++ layer"
+
+    def __init__(self, layer: PrefixLayer):
+        super().__init__()
+        ops = torch.ops.entmtp_cpu
+        self.n_heads, self.n_kv, self.head_dim, self.theta = layer.n_heads, layer.n_kv, layer.head_dim, layer.theta
+        self.in_features = layer.q_proj.in_features
+        self.inter = layer.gate_proj.out_features
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.norms = [(n.weight, float(n.eps)) for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.norm)]
+        self.weight = layer.q_proj.weight  # a parameter, so that probes see the dtype
+        cat = lambda *ls: torch.cat([m.weight.detach() for m in ls])  # noqa: E731
+        self.qkv = ops.bf16_pack_panels(cat(layer.q_proj, layer.k_proj, layer.v_proj))
+        self.o = ops.bf16_pack_panels(layer.o_proj.weight.detach())
+        self.gate_up = ops.bf16_pack_panels(cat(layer.gate_proj, layer.up_proj))
+        self.down = ops.bf16_pack_panels(layer.down_proj.weight.detach())
+        d = self.head_dim
+        self.inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
+
+    def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
+        if state is None or state.dtype != torch.float32:
+            return self._reference(x, state)
+        ops = torch.ops.entmtp_cpu
+        B, T, h = x.shape
+        (w1, e1), (w2, e2), (w3, e3) = self.norms
+        ang = torch.arange(state.length, state.length + T, dtype=torch.float32)[:, None] * self.inv_freq[None]
+        ang = torch.cat([ang, ang], -1).expand(B, T, -1)  # [B, T, d], the half-split convention of `_rope`
+        width = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        qkv = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w1, e1), self.qkv, width, None, True)
+        q, k, v = ops.rope_split(qkv, ang.cos(), ang.sin(), self.n_heads, self.n_kv)
+        k, v = state.append(k, v)
+        att = ops.attend(q, k, v, None, True, self.scale)  # [B, T, H, d]; row i sees keys <= past + i
+        x = x + ops.bf16_panels_linear(att.reshape(B, T, -1), self.o, h, None, False)
+        gu = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w2, e2), self.gate_up, 2 * self.inter, None, True)
+        x = x + ops.bf16_panels_linear(ops.silu_mul(gu), self.down, h, None, False)
+        return ops.bf16_rms_norm(x, w3, e3)
+
+    def matches(self, x: torch.Tensor) -> bool:
+        """x [r, h]: all but the last 3 rows as a prompt, then the rest as one continuation, through
+        this, the replaced layer and an exact float32 copy of it (each with its own float32 state):
+        this within bf16 rounding of the copy, the layer within its own roundings of it."""
+        import copy
+
+        split = max(1, x.shape[0] - 3)
+        exact_layer = copy.deepcopy(self._reference).float()
+        outs = []
+        for mod, dtype in ((self, x.dtype), (self._reference, x.dtype), (exact_layer, torch.float32)):
+            state = PrefixState(dtype=torch.float32)
+            parts = [mod(x[None, lo:hi].to(dtype), state).float() for lo, hi in ((0, split), (split, x.shape[0])) if hi > lo]
+            outs.append(torch.cat(parts, 1))
+        ours, layer, exact = outs
+        tol = 2.0 ** -8 * exact.abs().max().clamp_min(1e-30)
+        return bool((ours - exact).abs().max() <= 4 * tol and (layer - exact).abs().max() <= 32 * tol)
+
+
 class DraftHeads(nn.Module):
     """K Medusa or Hydra heads (optionally Hydra++). Weights only: no generation state."""
 
@@ -342,6 +407,14 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def fused_prefix_layer(layer: PrefixLayer) -> Optional[FusedPrefixLayer]:
+    """`FusedPrefixLayer(layer)` where entmtp's bf16 panel kernels run and its probe passes, else None."""
+    if layer.q_proj.weight.dtype != torch.bfloat16 or pack_method(torch.bfloat16)[0] != "panels":
+        return None
+    fused = FusedPrefixLayer(layer)
+    return fused if probe_ok(fused, rows=(2, 7)) else None
+
+
 class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 
@@ -388,6 +461,8 @@ class HeadRunner:
                 self.compute, self.kernels = self.heads, "stock"
         # the Hydra++ layer's per-request keys/values and attention in float32 where bf16 attention is slow
         self.prefix_dtype = torch.float32 if kernels != "stock" and fp32_attention_wanted(self.dtype, self.device) else None
+        if self.kernels == "packed" and self.prefix_dtype is not None and self.compute.prefix is not None:
+            self.compute.prefix = fused_prefix_layer(self.heads.prefix) or self.compute.prefix
 
     @property
     def label(self) -> str:

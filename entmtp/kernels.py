@@ -181,7 +181,7 @@ def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:
     return None, why
 
 
-def _probe_ok(layer: nn.Module, rows: tuple[int, ...] = (1, 7)) -> bool:
+def probe_ok(layer: nn.Module, rows: tuple[int, ...] = (1, 7)) -> bool:
     """Whether a packed or fused layer keeps its claim (`layer.claim`, `layer.matches`) on random
     inputs [r, layer.in_features] of each row count r."""
     g = torch.Generator().manual_seed(0)
@@ -211,7 +211,7 @@ def packed_layer(weight: torch.Tensor) -> Optional[nn.Module]:
         layer = PackedLinear(lin) if method == "onednn" else PanelLinear(lin)
     except RuntimeError:
         return None
-    return layer if _probe_ok(layer) else None
+    return layer if probe_ok(layer) else None
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -555,11 +555,11 @@ def packed_twin(model: nn.Module, fused_attention: bool = False) -> nn.Module:
             for fused in (FusedAttention, FusedMLP, FusedRMSNorm) if fused_attention else (FusedMLP, FusedRMSNorm):
                 if fused.fits(mod):
                     new = fused(mod)
-                    if _probe_ok(new):
+                    if probe_ok(new):
                         return new
         if type(mod) is nn.Linear and mod.weight.dtype == dtype:
             new = layer_class(mod)
-            if not _probe_ok(new):
+            if not probe_ok(new):
                 raise ValueError(f"the packed kernel is not {new.claim} here ({mod.in_features}x{mod.out_features})")
             return new
         return None

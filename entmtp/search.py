@@ -879,7 +879,7 @@ def _stats_prompt_ids(stats: CalibrationStats) -> list:
 def reused_stats(path: str | Path, want: dict, heads_config: dict, spec: RuleSpec, max_rank: int, union: Optional[Tree],
                  calib_ids: list, held: list) -> tuple[CalibrationStats, Optional[CalibrationStats]]:
     """(statistics, held-out statistics or None) of the earlier search in directory `path`, after
-    checking that they answer this search: the same model, heads (name, count and configuration),
+    checking that they answer this search: the same model, heads (count and configuration),
     data, rule, dtype, new tokens per prompt, statistics method, ranks / union, and calibration
     prompts; held-out statistics are kept when they cover exactly this search's held-out prompts.
     DataError with the first mismatch otherwise."""
@@ -905,7 +905,7 @@ def reused_stats(path: str | Path, want: dict, heads_config: dict, spec: RuleSpe
     if prov_file.is_file():
         prov = (read_stats_json(prov_file).get("provenance") or {}).get("heads") or {}
         if prov.get("config") is not None and prov["config"] != heads_config:
-            raise DataError(f"--stats {path}: its statistics are for other {want['heads']} heads (another configuration)")
+            raise DataError(f"--stats {path}: its statistics are for other heads (another configuration)")
     held_stats = None
     if held and (d / "held_out_stats.json").is_file():
         hs = CalibrationStats.load(d / "held_out_stats.json")
@@ -993,7 +993,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     if reuse_stats is not None:
         if distributed:
             raise ValueError("reused statistics need no statistics pass: run the search in one process")
-        want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "heads": heads, "num_heads": K,
+        want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "num_heads": K,
                 "max_new_tokens": max_new_tokens, "dtype": str(engine.dtype).removeprefix("torch."), "method": method}
         stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, max_rank, union,
                                          [p.id for p in calib], held)

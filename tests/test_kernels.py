@@ -1,6 +1,8 @@
 """Prepacked CPU linears: oneDNN's (bit-identical in bf16, within rounding in fp32) and entmtp's
 AVX2 bf16 panels (within bf16 rounding of the exact product); a twin that leaves the model alone."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -52,7 +54,7 @@ def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
     if kernels.can_pack(fp32_model) is not None:
         pytest.skip(kernels.can_pack(fp32_model))
     monkeypatch.setattr(kernels, "FP32_PROBE_RTOL", 0.0)
-    exact_here = kernels._probe_ok(kernels.PackedLinear(fp32_model.lm_head))
+    exact_here = kernels.probe_ok(kernels.PackedLinear(fp32_model.lm_head))
     m, name, why = kernels.decode_model(fp32_model, "auto")
     if exact_here:  # this CPU's oneDNN happens to sum like F.linear: nothing to refuse
         assert name == "packed"
@@ -316,7 +318,7 @@ def test_fused_rms_norm_is_the_llama_norm_up_to_rounding(shape):
         norm.weight.normal_(1.0, 0.3)
     assert kernels.FusedRMSNorm.fits(norm)
     fused = kernels.FusedRMSNorm(norm)
-    assert fused.weight is norm.weight and fused.eps == 1e-5 and kernels._probe_ok(fused)
+    assert fused.weight is norm.weight and fused.eps == 1e-5 and kernels.probe_ok(fused)
     x = (torch.randn(*shape) * 3).to(torch.bfloat16)
     with torch.inference_mode():
         y, ref = fused(x), norm(x)
@@ -370,7 +372,7 @@ def test_fused_mlp_is_the_exact_gated_mlp_up_to_rounding(shape):
     mlp = model.model.layers[0].mlp
     assert kernels.FusedMLP.fits(mlp)
     fused = kernels.FusedMLP(mlp)
-    assert kernels._probe_ok(fused)
+    assert kernels.probe_ok(fused)
     assert {p.data_ptr() for p in fused.parameters()} == {p.data_ptr() for p in mlp.parameters()}
     x = torch.randn(*shape).to(torch.bfloat16)
     with torch.inference_mode():
@@ -507,7 +509,7 @@ def test_fused_attention_is_the_attention_up_to_rounding(family):
     attn = model.model.layers[1].self_attn
     assert kernels.FusedAttention.fits(attn)
     fused = kernels.FusedAttention(attn)
-    assert kernels._probe_ok(fused) and (fused.qkv_bias is not None) == (family == "qwen2")
+    assert kernels.probe_ok(fused) and (fused.qkv_bias is not None) == (family == "qwen2")
     # prompt of 6 rows (causal, no mask), then one row, then a 3-node tree, against the module in float32
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 10, 32, generator=g).bfloat16()
@@ -560,7 +562,7 @@ def test_fused_attention_fits_and_probe_refuse_other_attentions(panels_only):
 
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
     doubled = DoubledAttention(model.model.layers[0].self_attn)
-    assert kernels.FusedAttention.fits(doubled) and not kernels._probe_ok(kernels.FusedAttention(doubled))
+    assert kernels.FusedAttention.fits(doubled) and not kernels.probe_ok(kernels.FusedAttention(doubled))
     model.model.layers[0].self_attn = doubled
     twin, _, why = kernels.decode_model(model, "auto")
     assert type(twin.model.layers[0].self_attn) is DoubledAttention
@@ -629,3 +631,35 @@ def test_attend_is_the_attention_and_each_row_its_own(d):
         ops.attend(q[..., :12], k[..., :12], v[..., :12], None, True, scale)  # 12 % 8 != 0
     with pytest.raises(RuntimeError, match=r"attend: mask must be \[B or 1, 1, Q, L\]"):
         ops.attend(q, k, v, additive[..., :-1], False, scale)
+
+
+@needs_panels
+def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, monkeypatch):
+    from entmtp.heads import FusedPrefixLayer, HeadRunner, PrefixState
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=7)
+    heads = random_heads(model, "hydra", num_heads=3, prefix=True)
+    fused, stock = HeadRunner(heads, model, kernels="auto"), HeadRunner(heads, model, kernels="stock")
+    assert isinstance(fused.compute.prefix, FusedPrefixLayer) and not isinstance(heads.prefix, FusedPrefixLayer)
+    h = model.config.hidden_size
+    hidden, more = torch.randn(9, h).to(torch.bfloat16), torch.randn(3, h).to(torch.bfloat16)
+    exact = copy.deepcopy(heads.prefix).float()
+    with torch.inference_mode():
+        (sa, fa), (sb, fb) = fused.start(hidden), stock.start(hidden)
+        se = PrefixState(dtype=torch.float32)
+        fe = exact(hidden.float()[None], se)[0, -1]
+        # a prompt, then continuations of one and of three rows (causal over the cached keys)
+        for new in (more[:1], more):
+            ga, gb, ge = fused.advance(sa, new, new[-1]), stock.advance(sb, new, new[-1]), exact(new.float()[None], se)[0, -1]
+            for ours, theirs in ((fa, fe), (ga, ge)):
+                assert (ours.float() - theirs).abs().max() <= 4 * 2.0 ** -8 * theirs.abs().max()
+            assert (gb.float() - ge).abs().max() <= 32 * 2.0 ** -8 * ge.abs().max()
+        assert sa.length == sb.length == 9 + 1 + 3 and sa.keys.dtype == torch.float32
+        # another formula (here: twice the MLP) fails the probe, and then the layer stays unfused
+        layer = copy.deepcopy(heads.prefix)
+        layer.down_proj.weight.mul_(2)
+        bad = FusedPrefixLayer(layer)
+        bad.down = torch.ops.entmtp_cpu.bf16_pack_panels(heads.prefix.down_proj.weight.detach())
+        assert not kernels.probe_ok(bad, rows=(2, 7))
+    monkeypatch.setenv("ENTMTP_FP32_ATTENTION", "0")  # bf16 attention: the layer's own path
+    assert not isinstance(HeadRunner(heads, model, kernels="auto").compute.prefix, FusedPrefixLayer)
