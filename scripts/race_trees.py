@@ -1,0 +1,109 @@
+"""Race small draft trees on-policy, interleaved, on held-out calibration prompts; pick the fastest.
+
+`entmtp search` ranks trees by predicted tokens/s = exact replayed tau / a measured step time. On
+a small noisy VM the step-time medians of neighbouring tree sizes differ by less than their noise
+(session 16: a 3-node tree timed faster than a 1-node one, and the chosen 5-node depth-1 tree ran
+19% below its prediction), so among the few trees that can pay on such a CPU the ranking is a
+coin toss. This script lets the decoding itself decide: the statistics of an earlier search
+propose, for every (size, depth) up to --max-nodes / --max-depth, the tree with the highest
+replayed tau; every proposal (plus any --trees) then decodes the same held-out prompts of the
+search's split, on-policy, prompt by prompt with the order rotated (`search.evaluate_trees`), so
+load drift hits all alike. Prints tokens/s, tau and speedup vs plain decoding; --save writes the
+winner, with the race in its provenance, as a tree file.
+
+    python scripts/race_trees.py --heads hydra --stats runs/search15-hydra-bf16 --dtype bfloat16 \
+        [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json]
+
+The prompts are the search's own held-out split of --data (fraction --held-out, seed --seed):
+never the bench prompts, never the statistics' calibration prompts.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--heads", required=True, help="embedded heads: medusa, hydra or hydra++")
+    ap.add_argument("--stats", required=True, help="an earlier `entmtp search` output directory (its statistics propose)")
+    ap.add_argument("--data", default="runs/calib_prompts.jsonl")
+    ap.add_argument("--held-out", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-nodes", type=int, default=6)
+    ap.add_argument("--max-depth", type=int, default=3)
+    ap.add_argument("--min-nodes", type=int, default=2)
+    ap.add_argument("--trees", default="", help="more trees to race, comma separated (files or names in trees/)")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--skip", type=int, default=0, help="skip this many held-out prompts first")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--save", default=None, help="write the fastest tree here (tree JSON with the race's figures)")
+    args = ap.parse_args()
+
+    from entmtp.calibrate import CalibrationStats
+    from entmtp.cli import load_engine_for
+    from entmtp.data import load_prompts, split_prompts
+    from entmtp.search import evaluate_trees, search_trees
+    from entmtp.trees import Tree, resolve_tree
+
+    stats = CalibrationStats.load(Path(args.stats) / "stats.json")
+    if stats.meta.get("dtype") != args.dtype:
+        print(f"error: {args.stats} holds {stats.meta.get('dtype')} statistics, not {args.dtype}", file=sys.stderr)
+        return 2
+    depth = min(args.max_depth, stats.depth)
+    best: dict[tuple[int, int], object] = {}
+    for c in search_trees(stats, [args.max_nodes], None, depths=range(1, depth + 1)):
+        key = (c.n_nodes, c.depth)
+        if args.min_nodes <= c.n_nodes and c.depth <= depth and (key not in best or c.predicted_tau > best[key].predicted_tau):
+            best[key] = c
+    trees = [Tree(c.tree.paths, f"n{n}-d{d}") for (n, d), c in sorted(best.items())]
+    predicted = {t.key(): best[(t.n_nodes, t.depth)].predicted_tau for t in trees}
+    for spec in filter(None, args.trees.split(",")):
+        t = resolve_tree(spec)
+        if t.key() not in predicted:
+            trees.append(t)
+            predicted[t.key()] = stats.predict_tau(t)
+
+    ns = argparse.Namespace(threads=None, base=None, model=args.model, heads=None, dtype=args.dtype, device="cpu",
+                            device_map=None, kernels="auto")
+    engine = load_engine_for(ns, [args.heads])
+    _, held = split_prompts(load_prompts(args.data).prompts, args.held_out, args.seed)
+    held = held[args.skip: args.skip + args.prompts]
+    t0 = time.perf_counter()
+    res = evaluate_trees(engine, args.heads, trees, held, max_new_tokens=args.max_new_tokens)
+    plain = res[-1]
+    print(f"# {len(held)} held-out prompts of {args.data} (skip {args.skip}), {args.max_new_tokens} new tokens, "
+          f"{args.dtype}, {len(trees)} trees + plain decoding, interleaved; {time.perf_counter() - t0:.0f} s")
+    print("| tree | nodes | depth | paths | replayed tau (calibration) | on-policy tau | tokens/s | speedup vs plain |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    rows = sorted(res[:-1], key=lambda m: -m.tokens_per_s)
+    for m in rows:
+        t = m.tree
+        print(f"| {m.name} | {t.n_nodes} | {t.depth} | `{[list(p) for p in t.paths]}` | {predicted[t.key()]:.3f} | {m.tau:.3f} | "
+              f"{m.tokens_per_s:.1f} | {m.tokens_per_s / plain.tokens_per_s:.3f}x |")
+    print(f"| plain decoding | 0 | 0 | | 1.000 | 1.000 | {plain.tokens_per_s:.1f} | 1.000x |")
+    if not all(m.identical_to_baseline in (True, None) for m in res[:-1]):
+        print("error: a tree's output differed from plain decoding", file=sys.stderr)
+        return 1
+    if args.save:
+        win = rows[0]
+        out = {"name": Path(args.save).stem, "paths": [list(p) for p in win.tree.paths], "n_nodes": win.tree.n_nodes,
+               "depth": win.tree.depth, "chosen_by": "on-policy race (scripts/race_trees.py)",
+               "predicted_tau": predicted[win.tree.key()], "held_out_tau": win.tau,
+               "held_out_tokens_per_s": win.tokens_per_s, "held_out_speedup": win.tokens_per_s / plain.tokens_per_s,
+               "race": {"command": "python scripts/race_trees.py " + " ".join(sys.argv[1:]), "prompts": len(held),
+                        "skip": args.skip, "data": args.data, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                        "stats": str(args.stats),
+                        "results": [{"paths": [list(p) for p in m.tree.paths], "tau": m.tau, "tokens_per_s": m.tokens_per_s}
+                                    for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": plain.tokens_per_s}]}}
+        Path(args.save).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"saved {args.save}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
