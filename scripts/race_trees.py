@@ -12,7 +12,7 @@ load drift hits all alike. Prints tokens/s, tau and speedup vs plain decoding; -
 winner, with the race in its provenance, as a tree file.
 
     python scripts/race_trees.py --heads hydra --stats runs/search15-hydra-bf16 --dtype bfloat16 \
-        [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json]
+        [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json [--record]]
 
 The prompts are the search's own held-out split of --data (fraction --held-out, seed --seed):
 never the bench prompts, never the statistics' calibration prompts.
@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=0, help="skip this many held-out prompts first")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--save", default=None, help="write the fastest tree here (tree JSON with the race's figures)")
+    ap.add_argument("--record", action="store_true",
+                    help="with --save into trees/: make it the embedded heads' default tree for this dtype and hardware "
+                         "class (meta.default_tree_<dtype>@<class> in assets/heads/<name>-<kind>/config.json)")
     args = ap.parse_args()
 
     from entmtp.calibrate import CalibrationStats
@@ -102,6 +105,19 @@ def main() -> int:
                                     for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": plain.tokens_per_s}]}}
         Path(args.save).write_text(json.dumps(out, indent=1) + "\n")
         print(f"saved {args.save}")
+        if args.record:
+            from entmtp.hardware import hardware_class
+
+            root = Path(__file__).resolve().parents[1]
+            if Path(args.save).resolve().parent != root / "trees":
+                print("error: --record needs --save trees/NAME.json", file=sys.stderr)
+                return 2
+            cfg_file = root / "assets" / "heads" / f"smollm2-135m-{args.heads.replace('++', 'pp')}" / "config.json"
+            cfg = json.loads(cfg_file.read_text())
+            key = f"default_tree_{args.dtype}@{hardware_class('cpu')}"
+            cfg.setdefault("meta", {})[key] = Path(args.save).name
+            cfg_file.write_text(json.dumps(cfg, indent=1) + "\n")
+            print(f"recorded {key} = {Path(args.save).name} in {cfg_file.relative_to(root)}")
     return 0
 
 

@@ -95,6 +95,11 @@ if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_cl
     done
     python scripts/record_default_trees.py --dtype "$dtype" --hardware cpu-avx2 --tag "$short-avx2" --kinds hydrapp,hydra,medusa
   done
+  #  session 16: the bf16 Hydra++ default is the winner of an on-policy race of small trees (the
+  #  latency medians no longer rank 2-6 node trees on a busy VM); the Hydra++ bank stays the search's
+  python scripts/race_trees.py --heads hydra++ --stats runs/search-hydrapp-bf16-avx2 --dtype bfloat16 \
+    --max-nodes 5 --max-depth 3 --min-nodes 3 --trees trees/smollm2-135m-hydrapp-bf16-avx2-b64.json --prompts 24 \
+    --save trees/smollm2-135m-hydrapp-bf16-avx2-race.json --record
 fi
 
 # 4. benchmarks on the held-out bench set
