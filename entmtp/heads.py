@@ -21,6 +21,7 @@ LM-head weights), and per-request state (the Hydra++ layer's KV) lives in `Prefi
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -30,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_attention_wanted, fp32_sdpa
-from .kernels import probe_ok, can_pack, pack_method, packed_twin, shared_linear
+from .kernels import can_pack, pack_method, packed_twin, probe_ok, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -293,8 +294,6 @@ class FusedPrefixLayer(nn.Module):
         """x [r, h]: all but the last 3 rows as a prompt, then the rest as one continuation, through
         this, the replaced layer and an exact float32 copy of it (each with its own float32 state):
         this within bf16 rounding of the copy, the layer within its own roundings of it."""
-        import copy
-
         split = max(1, x.shape[0] - 3)
         exact_layer = copy.deepcopy(self._reference).float()
         outs = []
@@ -410,6 +409,8 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 def fused_prefix_layer(layer: PrefixLayer) -> Optional[FusedPrefixLayer]:
     """`FusedPrefixLayer(layer)` where entmtp's bf16 panel kernels run and its probe passes, else None."""
     if layer.q_proj.weight.dtype != torch.bfloat16 or pack_method(torch.bfloat16)[0] != "panels":
+        return None
+    if layer.head_dim % 8:  # `attend` works in 8-lane blocks
         return None
     fused = FusedPrefixLayer(layer)
     return fused if probe_ok(fused, rows=(2, 7)) else None

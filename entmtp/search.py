@@ -886,7 +886,12 @@ def reused_stats(path: str | Path, want: dict, heads_config: dict, spec: RuleSpe
     d = Path(path)
     if not (d / "stats.json").is_file():
         raise DataError(f"--stats {path}: no stats.json there (give an earlier search's output directory)")
-    stats = CalibrationStats.load(d / "stats.json")
+    try:
+        stats = CalibrationStats.load(d / "stats.json")
+    except DataError as e:
+        raise DataError(f"--stats {path}: {e}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"--stats {path}: stats.json is not a statistics file ({type(e).__name__}: {e})") from None
     meta = stats.meta
     for k, v in want.items():
         if meta.get(k) != v:

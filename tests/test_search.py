@@ -612,6 +612,15 @@ def test_cli_search_and_score_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch
         assert r["predicted"]["tau"] >= 1 and r["measured"]["tau"] >= 1 and r["n_prompts"] == 3
         assert r["measured"]["identical_to_baseline"] is True
     assert r["statistics"].startswith("statistics pass") and r["predicted"]["nodes_not_covered"] == 0
+    # reused statistics that do not answer the search, or none at all: one line, no traceback
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "stats.json").write_text('{"records": 3}')
+    for stats_dir, needle in ((out, "max_new_tokens = 10, this search's is 8"), (tmp_path / "nowhere", "no stats.json there"),
+                              (tmp_path / "junk", "junk")):
+        code, _, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--data",
+                           tiny_dir / "prompts.jsonl", "--budgets", "2", "--out", tmp_path / "again", "--max-new-tokens", 8,
+                           "--no-progress", "--stats", stats_dir)
+        assert code != 0 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
 
 
 @pytest.mark.parametrize("content,extra,needle", [
