@@ -207,6 +207,14 @@ class PrefixLayer(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies (not a parameter)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE frequencies [head_dim / 2], float32 whatever the weights' dtype, cached per device."""
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            d = self.head_dim
+            inv = self._inv_freq[device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        return inv
+
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
         """x [B, T, h] new hidden states (continuing `state` if given) -> [B, T, h].
 
@@ -215,10 +223,7 @@ class PrefixLayer(nn.Module):
         B, T, _ = x.shape
         past = state.length if state is not None else 0
         pos = torch.arange(past, past + T, device=x.device)
-        inv = self._inv_freq.get(x.device)
-        if inv is None:  # cached per device, float32 whatever the weights' dtype
-            d = self.head_dim
-            inv = self._inv_freq[x.device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+        inv = self.inv_freq(x.device)
         y = self.input_layernorm(x)
         q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -257,7 +262,8 @@ class FusedPrefixLayer(nn.Module):
     def __init__(self, layer: PrefixLayer):
         super().__init__()
         ops = torch.ops.entmtp_cpu
-        self.n_heads, self.n_kv, self.head_dim, self.theta = layer.n_heads, layer.n_kv, layer.head_dim, layer.theta
+        self.n_heads, self.n_kv, self.head_dim = layer.n_heads, layer.n_kv, layer.head_dim
+        self.qkv_width = (self.n_heads + 2 * self.n_kv) * self.head_dim
         self.in_features = layer.q_proj.in_features
         self.inter = layer.gate_proj.out_features
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -268,8 +274,6 @@ class FusedPrefixLayer(nn.Module):
         self.o = ops.bf16_pack_panels(layer.o_proj.weight.detach())
         self.gate_up = ops.bf16_pack_panels(cat(layer.gate_proj, layer.up_proj))
         self.down = ops.bf16_pack_panels(layer.down_proj.weight.detach())
-        d = self.head_dim
-        self.inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
@@ -278,10 +282,9 @@ class FusedPrefixLayer(nn.Module):
         ops = torch.ops.entmtp_cpu
         B, T, h = x.shape
         (w1, e1), (w2, e2), (w3, e3) = self.norms
-        ang = torch.arange(state.length, state.length + T, dtype=torch.float32)[:, None] * self.inv_freq[None]
+        ang = torch.arange(state.length, state.length + T, dtype=torch.float32)[:, None] * self._reference.inv_freq(x.device)[None]
         ang = torch.cat([ang, ang], -1).expand(B, T, -1)  # [B, T, d], the half-split convention of `_rope`
-        width = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        qkv = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w1, e1), self.qkv, width, None, True)
+        qkv = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w1, e1), self.qkv, self.qkv_width, None, True)
         q, k, v = ops.rope_split(qkv, ang.cos(), ang.sin(), self.n_heads, self.n_kv)
         k, v = state.append(k, v)
         att = ops.attend(q, k, v, None, True, self.scale)  # [B, T, H, d]; row i sees keys <= past + i
