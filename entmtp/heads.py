@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_attention_wanted, fp32_sdpa
-from .kernels import can_pack, pack_method, packed_twin, probe_ok, shared_linear
+from .kernels import can_pack, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -258,6 +258,12 @@ class FusedPrefixLayer(nn.Module):
     Weights are the replaced layer's (shared); forward(x [B, T, h] bf16, state) -> [B, T, h] bf16."""
 
     claim = "within bf16 rounding of the exact Hydra++ layer"
+    probe_rows = (2, 7)  # a 1-row prompt + a 1-row continuation (a decoding step), and 4 + 3 rows
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        """A bf16 `PrefixLayer` whose head_dim `attend` takes (8-lane blocks); the probe checks the rest."""
+        return isinstance(mod, PrefixLayer) and mod.q_proj.weight.dtype == torch.bfloat16 and mod.head_dim % 8 == 0
 
     def __init__(self, layer: PrefixLayer):
         super().__init__()
@@ -409,16 +415,6 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def fused_prefix_layer(layer: PrefixLayer) -> Optional[FusedPrefixLayer]:
-    """`FusedPrefixLayer(layer)` where entmtp's bf16 panel kernels run and its probe passes, else None."""
-    if layer.q_proj.weight.dtype != torch.bfloat16 or pack_method(torch.bfloat16)[0] != "panels":
-        return None
-    if layer.head_dim % 8:  # `attend` works in 8-lane blocks
-        return None
-    fused = FusedPrefixLayer(layer)
-    return fused if probe_ok(fused, rows=(2, 7)) else None
-
-
 class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 
@@ -456,17 +452,17 @@ class HeadRunner:
         self.lm = None
         if self.lm_weight is not None:
             self.lm = shared_linear(self.lm_weight)
+        # the Hydra++ layer's per-request keys/values and attention in float32 where bf16 attention is
+        # slow; there the layer runs fused on the panel kernels (`FusedPrefixLayer`, probed)
+        self.prefix_dtype = torch.float32 if kernels != "stock" and fp32_attention_wanted(self.dtype, self.device) else None
+        fused = (FusedPrefixLayer,) if self.prefix_dtype is not None else ()
         if kernels != "stock" and can_pack(self.heads) is None:
             try:
-                self.compute = packed_twin(self.heads)
+                self.compute = packed_twin(self.heads, fused_extra=fused)
                 self.lm = packed_twin(self.lm) if self.lm is not None else None
                 self.kernels = "packed"
             except ValueError:
                 self.compute, self.kernels = self.heads, "stock"
-        # the Hydra++ layer's per-request keys/values and attention in float32 where bf16 attention is slow
-        self.prefix_dtype = torch.float32 if kernels != "stock" and fp32_attention_wanted(self.dtype, self.device) else None
-        if self.kernels == "packed" and self.prefix_dtype is not None and self.compute.prefix is not None:
-            self.compute.prefix = fused_prefix_layer(self.heads.prefix) or self.compute.prefix
 
     @property
     def label(self) -> str:

@@ -537,11 +537,13 @@ def twin_of(model: nn.Module, replace: Optional[Callable[[nn.Module], Optional[n
     return twin(model)
 
 
-def packed_twin(model: nn.Module, fused_attention: bool = False) -> nn.Module:
+def packed_twin(model: nn.Module, fused_attention: bool = False, fused_extra: tuple[type, ...] = ()) -> nn.Module:
     """A twin of `model` (`twin_of`) whose `nn.Linear` layers of its dtype are `PackedLinear`s
     (oneDNN) or `PanelLinear`s (entmtp's AVX2 bf16 kernel), all else shared. With the panels,
     gated MLPs and RMSNorms are fused where their probes pass, and so are attentions when
     `fused_attention` (only for a model that attends in float32: `FusedAttention` does).
+    `fused_extra`: more fused module classes (with `fits`, `claim`, `matches` and optionally
+    `probe_rows`), tried first, e.g. the Hydra++ layer of draft heads.
     Raises ValueError (with `can_pack`'s reason, or the first layer whose probe differs)."""
     why = can_pack(model)
     if why:
@@ -552,10 +554,10 @@ def packed_twin(model: nn.Module, fused_attention: bool = False) -> nn.Module:
 
     def replace(mod: nn.Module) -> Optional[nn.Module]:
         if panels:  # fused modules of entmtp's kernel library, where the probe agrees
-            for fused in (FusedAttention, FusedMLP, FusedRMSNorm) if fused_attention else (FusedMLP, FusedRMSNorm):
+            for fused in fused_extra + ((FusedAttention, FusedMLP, FusedRMSNorm) if fused_attention else (FusedMLP, FusedRMSNorm)):
                 if fused.fits(mod):
                     new = fused(mod)
-                    if probe_ok(new):
+                    if probe_ok(new, getattr(new, "probe_rows", (1, 7))):
                         return new
         if type(mod) is nn.Linear and mod.weight.dtype == dtype:
             new = layer_class(mod)
