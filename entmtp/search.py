@@ -30,6 +30,11 @@ Pipeline (`run_search`):
    held-out tau and tokens/s side by side, with an explanation wherever they differ by more
    than 5% (the replay of exactly those prompts splits the gap into prompt shift + selection
    and on-policy effects).
+6. Race (optional, `race_prompts`): where the latency model is noisier than the differences
+   between small trees (a shared CPU), the statistics propose the best-replayed tree of every
+   small (size, depth) (`race_proposals`); they and the trees chosen by tokens/s decode further
+   held-out prompts on-policy, interleaved with plain decoding (`race_trees`), and the fastest
+   is saved as `<model>-<heads>-race.json`: chosen by decoding itself, not by the model.
 
 Library API (the app calls these)::
 
@@ -499,6 +504,54 @@ def evaluate_trees(engine, heads: str, trees: Sequence[Tree], prompts: Sequence[
     return res
 
 
+
+def race_proposals(stats: CalibrationStats, max_nodes: int = 6, max_depth: int = 3, min_nodes: int = 1) -> list[Candidate]:
+    """For every (nodes, depth) with min_nodes <= nodes <= max_nodes and depth <= max_depth, the
+    searched tree with the highest replayed tau: the few small trees a CPU can afford, between
+    which a noisy step-time model cannot choose (`race_trees` lets decoding decide)."""
+    if not 1 <= min_nodes <= max_nodes <= MAX_BUDGET:
+        raise ValueError(f"race sizes must satisfy 1 <= min_nodes <= max_nodes <= {MAX_BUDGET}")
+    if max_depth < 1:
+        raise ValueError("the race's max_depth must be >= 1")
+    depth = min(max_depth, stats.depth)
+    best: dict[tuple[int, int], Candidate] = {}
+    for c in search_trees(stats, [max_nodes], None, depths=range(1, depth + 1)):
+        key = (c.n_nodes, c.depth)
+        if c.n_nodes >= min_nodes and (key not in best or c.predicted_tau > best[key].predicted_tau):
+            best[key] = c
+    return [best[k] for k in sorted(best)]
+
+
+def race_trees(engine, heads: str, trees: Sequence[Tree], prompts: Sequence[Any], rule: RuleSpec | str | None = None,
+               max_new_tokens: int = 64, progress: Optional[Progress] = None) -> dict:
+    """Decode `prompts` with every tree on-policy, interleaved with plain decoding
+    (`evaluate_trees`); the results sorted by tokens/s, the first is the winner.
+
+    Returns {"n_prompts", "prompt_ids", "max_new_tokens", "baseline_tokens_per_s",
+    "identical_outputs" (greedy; None otherwise), "results": [{"name", "id", "paths", "n_nodes",
+    "depth", "tau", "tau_stderr", "tokens_per_s", "speedup", "identical_to_baseline"}, ...]}."""
+    if not trees:
+        raise ValueError("no trees to race")
+    if not prompts:
+        raise DataError("no prompts to race the trees on")
+    spec = as_rule_spec(rule)
+    measured = evaluate_trees(engine, heads, trees, prompts, spec, max_new_tokens,
+                              progress=(lambda ph, d, t: progress("race", d, t)) if progress else None, baseline=True)
+    base = measured[-1]
+    rows = []
+    for m in measured[:-1]:
+        rows.append({"name": m.name, "id": tree_id(m.tree), "paths": [list(p) for p in m.tree.paths],
+                     "n_nodes": m.tree.n_nodes, "depth": m.tree.depth, "tau": m.tau, "tau_stderr": m.tau_stderr,
+                     "tokens_per_s": m.tokens_per_s,
+                     "speedup": m.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else float("nan"),
+                     "identical_to_baseline": m.identical_to_baseline})
+    rows.sort(key=lambda r: -r["tokens_per_s"] if math.isfinite(r["tokens_per_s"]) else math.inf)
+    ident = [r["identical_to_baseline"] for r in rows]
+    return {"n_prompts": len(prompts), "prompt_ids": [getattr(p, "id", None) for p in prompts],
+            "max_new_tokens": max_new_tokens, "baseline_tokens_per_s": base.tokens_per_s,
+            "identical_outputs": all(ident) if spec.name == "greedy" else None, "results": rows}
+
+
 # ---- the whole search ---------------------------------------------------------------------------
 
 @dataclass
@@ -518,6 +571,7 @@ class SearchReport:
     warnings: list[str] = field(default_factory=list)
     bank: Optional[Any] = None  # EntropyBucketScheduler fitted from the same statistics
     bank_report: Optional[dict] = None
+    race: Optional[dict] = None  # `race_trees` result on further held-out prompts (step 6), or None
 
     def fit_bank(self, n_buckets: int = 4) -> None:
         """Fit the entropy bank (bucket of the root entropy -> tree) from these statistics:
@@ -589,6 +643,7 @@ class SearchReport:
             "frontier": self.frontier,
             "pareto": self.pareto_ids(),
             "held_out": ev,
+            "race": self.race,
             "candidates": [c.to_json() for c in self.candidates],
             "timings": self.timings,
             "warnings": self.warnings,
@@ -597,6 +652,9 @@ class SearchReport:
     def _tree_file(self, row: dict) -> str:
         suffix = "" if row["role"] == "tokens_per_s" else "-tau"
         return f"{self.tree_prefix()}-b{row['budget']}{suffix}.json"
+
+    def race_tree_file(self) -> str:
+        return f"{self.tree_prefix()}-race.json"
 
     def _held_out_rows(self) -> dict[str, dict]:
         """Held-out comparison rows by candidate id."""
@@ -714,6 +772,21 @@ class SearchReport:
                     L.append(f"- **{r['name']}**: {r['explanation']}")
             if ev.get("identical_outputs") is not None:
                 L += ["", f"Outputs identical to plain decoding on every on-policy prompt: {'yes' if ev['identical_outputs'] else 'NO'}"]
+        if self.race:
+            ra = self.race
+            L += ["", "## On-policy race", "",
+                  f"The best-replayed tree of every small (size, depth) and the trees chosen by tokens/s, each decoding "
+                  f"{ra['n_prompts']} further held-out prompts (not those of the check above) on its own, interleaved "
+                  f"with plain decoding ({ra['max_new_tokens']} new tokens). The fastest is saved as "
+                  f"`{self.race_tree_file()}`.", "",
+                  "| tree | nodes | depth | paths | pred. tau | on-policy tau | tokens/s | speedup vs plain |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|"]
+            for r in ra["results"]:
+                L.append(f"| {r['name']} | {r['n_nodes']} | {r['depth']} | `{r['paths']}` | {_fmt(r.get('predicted_tau'), 3)} | "
+                         f"{_fmt(r['tau'], 3)} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup'], 3)}x |")
+            L.append(f"| plain decoding | 0 | 0 | | 1.000 | 1.000 | {_fmt(ra['baseline_tokens_per_s'], 1)} | 1.000x |")
+            if ra.get("identical_outputs") is not None:
+                L += ["", f"Outputs identical to plain decoding on every race prompt: {'yes' if ra['identical_outputs'] else 'NO'}"]
         L += ["", "## Pareto frontiers (predicted)", ""]
         for key, ids in self.pareto_ids().items():
             pts = [self.candidate(i) for i in ids]
@@ -758,6 +831,17 @@ class SearchReport:
                      "held_out_tokens_per_s": h.get("held_out_tokens_per_s"), "provenance": short}
             path = out / "trees" / f"{name}.json"
             Tree(c.tree.paths, name).save(path, extra=_clean(extra))
+            tree_files.append(path)
+        if self.race and self.race["results"]:
+            win = self.race["results"][0]
+            name = self.race_tree_file()[:-5]
+            path = out / "trees" / f"{name}.json"
+            extra = {"chosen_by": "on-policy race", "predicted_tau": win.get("predicted_tau"),
+                     "held_out_tau": win["tau"], "held_out_tokens_per_s": win["tokens_per_s"],
+                     "held_out_speedup": win["speedup"], "race_prompts": self.race["n_prompts"],
+                     "race": [{"paths": r["paths"], "tau": r["tau"], "tokens_per_s": r["tokens_per_s"]}
+                              for r in self.race["results"]], "provenance": short}
+            Tree.from_paths(win["paths"], name).save(path, extra=_clean(extra))
             tree_files.append(path)
         files["trees"] = out / "trees"
         (out / "search.json").write_text(json.dumps(self.to_json(), indent=1))
@@ -928,7 +1012,8 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                decompose: bool = True, latency: Optional[LatencyModel] = None, remeasure: bool = False,
                latency_repeats: int = 5, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
                progress: Optional[Progress] = None, state=None, command: Optional[str] = None,
-               reuse_stats: str | Path | None = None) -> Optional[SearchReport]:
+               reuse_stats: str | Path | None = None, race_prompts: int = 0, race_max_nodes: int = 6,
+               race_max_depth: int = 3) -> Optional[SearchReport]:
     """The whole topology search (see the module docstring).
 
     prompts: `Prompt`s or a `PromptSet` (its source and sha256 go into the provenance).
@@ -943,6 +1028,8 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     reuse_stats: an earlier search's output directory whose statistics (and held-out statistics)
     replace the statistics pass -- checked to be for these heads, prompts, rule, dtype and
     length -- so that a search after a kernel or latency change only re-times and re-chooses.
+    race_prompts: also race small trees on-policy (step 6) on this many held-out prompts after
+    the first `max_eval` (`race_max_nodes` / `race_max_depth` bound the proposals).
     """
     t_start = time.perf_counter()
     budgets = _check_budgets(budgets)
@@ -958,6 +1045,10 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
         raise ValueError(f"max_eval must be in 1..{MAX_EVAL_PROMPTS}")
     if not 1 <= max_held_out <= MAX_PROMPTS:
         raise ValueError(f"max_held_out must be in 1..{MAX_PROMPTS}")
+    if not 0 <= race_prompts <= MAX_EVAL_PROMPTS:
+        raise ValueError(f"race_prompts must be in 0..{MAX_EVAL_PROMPTS}")
+    if race_prompts and held_out <= 0:
+        raise ValueError("the race decodes held-out prompts: give a held-out fraction > 0")
     data = {"source": None, "sha256": None, "skipped": 0}
     if isinstance(prompts, PromptSet):
         data = {"source": prompts.source, "sha256": prompts.sha256, "format": prompts.format, "skipped": len(prompts.skipped)}
@@ -970,7 +1061,10 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     if data["sha256"] is None:
         data["sha256"] = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
     calib, held = split_prompts(prompts, held_out, seed) if held_out > 0 else (prompts, [])
-    calib, held = calib[:max_calibration], held[:max(max_eval, max_held_out)]
+    calib, held = calib[:max_calibration], held[:max(max_eval + race_prompts, max_held_out)]
+    if race_prompts and len(held) <= max_eval:
+        raise DataError(f"the race needs held-out prompts beyond the {max_eval} of the on-policy check, but the split "
+                        f"holds {len(held)}: give more prompts, a larger held-out fraction or fewer eval prompts")
     if held_out > 0 and not held:
         raise DataError("the held-out set is empty: give at least two distinct prompts or --held-out 0")
     runner = engine.runners[heads]
@@ -1055,6 +1149,16 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
         t0 = time.perf_counter()
         report.evaluation = _held_out(report, engine, heads, held, spec, max_new_tokens, max_eval, progress)
         timings["held_out_s"] = time.perf_counter() - t0
+
+    # 6. race, on-policy, on further held-out prompts
+    if race_prompts:
+        t0 = time.perf_counter()
+        pool = held[max_eval:max_eval + race_prompts]
+        if len(pool) < race_prompts:
+            report.warnings.append(f"the race decoded {len(pool)} held-out prompts, not the {race_prompts} asked for: "
+                                   f"the held-out split has no more beyond the {max_eval} of the on-policy check")
+        report.race = _race(report, engine, heads, pool, spec, max_new_tokens, race_max_nodes, race_max_depth, progress)
+        timings["race_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
     report.warnings += _warnings(report)
     return report
@@ -1125,6 +1229,26 @@ def _held_out(report: SearchReport, engine, heads, held, spec, max_new_tokens, m
             "identical_outputs": all(ident) if spec.name == "greedy" and ident else None}
 
 
+def _race(report: SearchReport, engine, heads, prompts, spec, max_new_tokens, max_nodes, max_depth, progress) -> dict:
+    """Step 6: the race proposals plus the trees chosen by tokens/s (deduplicated), raced."""
+    names: dict[tuple, list[str]] = {}
+    cands: dict[tuple, Candidate] = {}
+    for c in race_proposals(report.stats, max_nodes, max_depth):
+        cands[c.tree.key()] = c
+        names[c.tree.key()] = [f"n{c.n_nodes}-d{c.depth}"]
+    for r in report.chosen():
+        if r["role"] == "tokens_per_s":
+            c = r["candidate"]
+            cands.setdefault(c.tree.key(), c)
+            names.setdefault(c.tree.key(), []).append(f"b{r['budget']}")
+    trees = [Tree(c.tree.paths, "/".join(names[k])) for k, c in cands.items()]
+    out = race_trees(engine, heads, trees, prompts, spec, max_new_tokens, progress)
+    predicted = {c.id: c.predicted_tau for c in cands.values()}
+    for row in out["results"]:
+        row["predicted_tau"] = predicted.get(row["id"])
+    return out
+
+
 def _warnings(report: SearchReport) -> list[str]:
     w = []
     st = report.stats
@@ -1191,6 +1315,11 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", default=None, help="reuse an earlier search's statistics (its output directory) instead of a "
                                                  "statistics pass -- checked to be for the same model, heads, data, rule, dtype "
                                                  "and --max-new-tokens; for re-searching after a kernel or latency change")
+    p.add_argument("--race", type=int, default=0, metavar="N",
+                   help="also race small trees on-policy on N further held-out prompts and save the fastest as "
+                        "<model>-<heads>-race.json (for CPUs whose step times are too noisy to rank small trees)")
+    p.add_argument("--race-max-nodes", type=int, default=6, help="--race: largest proposed tree")
+    p.add_argument("--race-max-depth", type=int, default=3, help="--race: deepest proposed tree")
     p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. trees/)")
     p.add_argument("--tag", default="", help="tag in the saved tree and bank names, e.g. fp32 -> MODEL-HEADS-fp32-b8.json")
 
@@ -1286,6 +1415,10 @@ def cmd_search(args) -> int:
     if args.max_new_tokens < 1 or args.max_new_tokens > MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}")
     spec = _rule_from_args(args)
+    if not 0 <= args.race <= MAX_EVAL_PROMPTS:
+        raise ValueError(f"--race must be in 0..{MAX_EVAL_PROMPTS} (held-out prompts to race small trees on)")
+    if args.race and not (1 <= args.race_max_nodes <= MAX_BUDGET and args.race_max_depth >= 1):
+        raise ValueError(f"--race-max-nodes must be in 1..{MAX_BUDGET} and --race-max-depth >= 1")
     ps = _load_data(args.data)
     state = _accelerate_state(args.device)
     if state is not None and args.device.startswith("cuda"):
@@ -1303,7 +1436,8 @@ def cmd_search(args) -> int:
                         decompose=not args.no_decompose,
                         remeasure=args.remeasure, latency_repeats=args.latency_repeats, stats_method=args.stats_method,
                         max_rank=args.max_rank, batch_size=args.batch_size, progress=bars, state=state, command=command,
-                        reuse_stats=args.stats)
+                        reuse_stats=args.stats, race_prompts=args.race, race_max_nodes=args.race_max_nodes,
+                        race_max_depth=args.race_max_depth)
     if state is not None:
         _end_distributed()
     if report is None:
@@ -1339,6 +1473,12 @@ def _summary_table(report: SearchReport) -> str:
     ref = report.reference()
     if ref is not None:
         line("ref", ref, ref.tree.name)
+    if report.race and report.race["results"]:
+        w = report.race["results"][0]
+        lines.append(f"{'race':>6} {w['n_nodes']:>5} {w['depth']:>5} {_fmt(w.get('predicted_tau'), 3):>8} {_fmt(w['tau'], 3):>8} "
+                     f"{'':>10} {_fmt(w['tokens_per_s'], 1):>10} {'':>6} {_fmt(w['speedup'], 2):>5}x  "
+                     f"trees/{report.race_tree_file()} (fastest of {len(report.race['results'])} on "
+                     f"{report.race['n_prompts']} further held-out prompts)")
     return "\n".join(lines)
 
 

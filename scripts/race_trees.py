@@ -14,6 +14,9 @@ winner, with the race in its provenance, as a tree file.
     python scripts/race_trees.py --heads hydra --stats runs/search15-hydra-bf16 --dtype bfloat16 \
         [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json [--record]]
 
+`entmtp search ... --race N` runs the same race as step 6 of a search (with `--stats DIR` on an
+earlier search's statistics); this script adds `--trees`, `--skip` and `--record`.
+
 The prompts are the search's own held-out split of --data (fraction --held-out, seed --seed):
 never the bench prompts, never the statistics' calibration prompts.
 """
@@ -50,21 +53,16 @@ def main() -> int:
     from entmtp.calibrate import CalibrationStats
     from entmtp.cli import load_engine_for
     from entmtp.data import load_prompts, split_prompts
-    from entmtp.search import evaluate_trees, search_trees
+    from entmtp.search import race_proposals, race_trees
     from entmtp.trees import Tree, resolve_tree
 
     stats = CalibrationStats.load(Path(args.stats) / "stats.json")
     if stats.meta.get("dtype") != args.dtype:
         print(f"error: {args.stats} holds {stats.meta.get('dtype')} statistics, not {args.dtype}", file=sys.stderr)
         return 2
-    depth = min(args.max_depth, stats.depth)
-    best: dict[tuple[int, int], object] = {}
-    for c in search_trees(stats, [args.max_nodes], None, depths=range(1, depth + 1)):
-        key = (c.n_nodes, c.depth)
-        if args.min_nodes <= c.n_nodes and c.depth <= depth and (key not in best or c.predicted_tau > best[key].predicted_tau):
-            best[key] = c
-    trees = [Tree(c.tree.paths, f"n{n}-d{d}") for (n, d), c in sorted(best.items())]
-    predicted = {t.key(): best[(t.n_nodes, t.depth)].predicted_tau for t in trees}
+    proposals = race_proposals(stats, args.max_nodes, args.max_depth, args.min_nodes)
+    trees = [Tree(c.tree.paths, f"n{c.n_nodes}-d{c.depth}") for c in proposals]
+    predicted = {t.key(): c.predicted_tau for t, c in zip(trees, proposals)}
     for spec in filter(None, args.trees.split(",")):
         t = resolve_tree(spec)
         if t.key() not in predicted:
@@ -77,32 +75,31 @@ def main() -> int:
     _, held = split_prompts(load_prompts(args.data).prompts, args.held_out, args.seed)
     held = held[args.skip: args.skip + args.prompts]
     t0 = time.perf_counter()
-    res = evaluate_trees(engine, args.heads, trees, held, max_new_tokens=args.max_new_tokens)
-    plain = res[-1]
+    race = race_trees(engine, args.heads, trees, held, max_new_tokens=args.max_new_tokens)
     print(f"# {len(held)} held-out prompts of {args.data} (skip {args.skip}), {args.max_new_tokens} new tokens, "
           f"{args.dtype}, {len(trees)} trees + plain decoding, interleaved; {time.perf_counter() - t0:.0f} s")
     print("| tree | nodes | depth | paths | replayed tau (calibration) | on-policy tau | tokens/s | speedup vs plain |")
     print("|---|---:|---:|---|---:|---:|---:|---:|")
-    rows = sorted(res[:-1], key=lambda m: -m.tokens_per_s)
+    rows = race["results"]
     for m in rows:
-        t = m.tree
-        print(f"| {m.name} | {t.n_nodes} | {t.depth} | `{[list(p) for p in t.paths]}` | {predicted[t.key()]:.3f} | {m.tau:.3f} | "
-              f"{m.tokens_per_s:.1f} | {m.tokens_per_s / plain.tokens_per_s:.3f}x |")
-    print(f"| plain decoding | 0 | 0 | | 1.000 | 1.000 | {plain.tokens_per_s:.1f} | 1.000x |")
-    if not all(m.identical_to_baseline in (True, None) for m in res[:-1]):
+        m["predicted_tau"] = predicted[Tree.from_paths(m["paths"]).key()]
+        print(f"| {m['name']} | {m['n_nodes']} | {m['depth']} | `{m['paths']}` | {m['predicted_tau']:.3f} | {m['tau']:.3f} | "
+              f"{m['tokens_per_s']:.1f} | {m['speedup']:.3f}x |")
+    print(f"| plain decoding | 0 | 0 | | 1.000 | 1.000 | {race['baseline_tokens_per_s']:.1f} | 1.000x |")
+    if race["identical_outputs"] is False:
         print("error: a tree's output differed from plain decoding", file=sys.stderr)
         return 1
     if args.save:
         win = rows[0]
-        out = {"name": Path(args.save).stem, "paths": [list(p) for p in win.tree.paths], "n_nodes": win.tree.n_nodes,
-               "depth": win.tree.depth, "chosen_by": "on-policy race (scripts/race_trees.py)",
-               "predicted_tau": predicted[win.tree.key()], "held_out_tau": win.tau,
-               "held_out_tokens_per_s": win.tokens_per_s, "held_out_speedup": win.tokens_per_s / plain.tokens_per_s,
+        out = {"name": Path(args.save).stem, "paths": win["paths"], "n_nodes": win["n_nodes"],
+               "depth": win["depth"], "chosen_by": "on-policy race (scripts/race_trees.py)",
+               "predicted_tau": win["predicted_tau"], "held_out_tau": win["tau"],
+               "held_out_tokens_per_s": win["tokens_per_s"], "held_out_speedup": win["speedup"],
                "race": {"command": "python scripts/race_trees.py " + " ".join(sys.argv[1:]), "prompts": len(held),
                         "skip": args.skip, "data": args.data, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                         "stats": str(args.stats),
-                        "results": [{"paths": [list(p) for p in m.tree.paths], "tau": m.tau, "tokens_per_s": m.tokens_per_s}
-                                    for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": plain.tokens_per_s}]}}
+                        "results": [{"paths": m["paths"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"]}
+                                    for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": race["baseline_tokens_per_s"]}]}}
         Path(args.save).write_text(json.dumps(out, indent=1) + "\n")
         print(f"saved {args.save}")
         if args.record:

@@ -4,6 +4,7 @@ import functools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -557,6 +558,60 @@ def test_run_search_library_api(tiny_dir, tmp_path, monkeypatch):
     assert t["stats"]["mode"] == "rollout" and t["union"]["n_nodes"] >= 20
     assert all(r["held_out_predicted_tau"] is not None for r in t["held_out"]["comparisons"] if r["held_out_tau"] is not None)
     assert "union rollouts" in typ.markdown()
+
+
+
+def test_run_search_race_decides_on_policy(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Step 6: small proposals + the tokens/s choices decode further held-out prompts (not the
+    check's), interleaved with plain decoding; the fastest is saved as <prefix>-race.json."""
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    from entmtp.checkpoints import load_heads
+    from entmtp.data import load_prompts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "base")
+    eng = Engine(model, AutoTokenizer.from_pretrained(tiny_dir / "base"), {"hydra": load_heads(tiny_dir / "hydra")})
+    ps = load_prompts(tiny_dir / "prompts.jsonl")
+    seen = set()
+    rep = run_search(eng, "hydra", ps, [2, 4], max_new_tokens=8, latency_repeats=1, held_out=0.5, max_eval=1,
+                     race_prompts=2, race_max_nodes=3, race_max_depth=2, progress=lambda ph, d, t: seen.add(ph))
+    ra = rep.race
+    assert "race" in seen and ra["n_prompts"] == 2 and not any("the race decoded" in w for w in rep.warnings)
+    held = rep.provenance["data"]["held_out_ids"]
+    assert set(ra["prompt_ids"]) <= set(held) and not set(ra["prompt_ids"]) & set(rep.evaluation["prompt_ids"])
+    res = ra["results"]
+    tps = [r["tokens_per_s"] for r in res]
+    assert tps == sorted(tps, reverse=True) and all(r["predicted_tau"] >= 1 for r in res)
+    proposals = [r for r in res if r["name"].startswith("n")]
+    assert proposals and all(r["n_nodes"] <= 3 and r["depth"] <= 2 for r in proposals)
+    assert len({(r["n_nodes"], r["depth"]) for r in proposals}) == len(proposals)  # one per (size, depth)
+    raced = {tuple(map(tuple, r["paths"])) for r in res}
+    assert all(r["candidate"].tree.paths in raced for r in rep.chosen() if r["role"] == "tokens_per_s")
+    assert ra["identical_outputs"] is True and all(r["identical_to_baseline"] for r in res)
+    files = rep.write(tmp_path / "out", save_trees_to=tmp_path / "saved")
+    win = json.loads((tmp_path / "out" / "trees" / rep.race_tree_file()).read_text())
+    assert win["paths"] == res[0]["paths"] and win["chosen_by"] == "on-policy race"
+    assert (tmp_path / "saved" / rep.race_tree_file()).is_file()
+    assert "## On-policy race" in files["report"].read_text()
+    assert json.loads(files["search"].read_text())["race"]["results"][0]["paths"] == res[0]["paths"]
+    # the race needs held-out prompts beyond the check's, and a held-out split at all
+    with pytest.raises(DataError, match="the race needs held-out prompts beyond the 6"):
+        run_search(eng, "hydra", ps, [2], max_new_tokens=8, latency_repeats=1, race_prompts=2)
+    with pytest.raises(ValueError, match="held-out fraction > 0"):
+        run_search(eng, "hydra", ps, [2], max_new_tokens=8, latency_repeats=1, held_out=0, race_prompts=2)
+    # CLI: the race line in the summary; bad --race values are one line
+    code, stdout, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--data",
+                            tiny_dir / "prompts.jsonl", "--budgets", "2", "--out", tmp_path / "cli", "--max-new-tokens", 6,
+                            "--latency-repeats", 1, "--no-progress", "--held-out", "0.5", "--eval-prompts", 1, "--race", 9,
+                            "--race-max-nodes", 2)
+    assert code == 0, err
+    assert "race" in stdout and (tmp_path / "cli" / "trees" / rep.race_tree_file()).is_file()
+    assert re.search(r"warning: the race decoded \d held-out prompts, not the 9 asked for", err), err  # said, not hidden
+    for bad, needle in ((["--race", "-1"], "--race must be in 0.."), (["--race", "1", "--race-max-nodes", "0"], "--race-max-nodes must be")):
+        code, _, err = run(capsys, "search", "--base", tiny_dir / "base", "--heads", tiny_dir / "hydra", "--data",
+                           tiny_dir / "prompts.jsonl", "--budgets", "2", "--out", tmp_path / "bad", "--max-new-tokens", 6,
+                           "--latency-repeats", 1, "--no-progress", "--held-out", "0.4", "--eval-prompts", 1, *bad)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
