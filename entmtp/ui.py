@@ -58,6 +58,7 @@ LAB_MAX_NEW_TOKENS = 64
 LAB_BUDGETS = (4, 8, 16, 32, 48, 64)
 LAB_DEFAULT_BUDGETS = (4, 8, 16, 32)
 SCORE_MAX_PROMPTS = 8
+LAB_RACE_MAX_NODES, LAB_RACE_MAX_DEPTH = 5, 3  # the race's proposals in the app: small trees only
 STREAM_EVERY_S = 0.2  # minimum time between streamed UI updates
 DEFAULT_TREE = "default"
 
@@ -927,6 +928,18 @@ def lab_rows(report: Any) -> list[dict]:
     held = {r["id"]: r for r in ((report.evaluation or {}).get("comparisons") or [])}
     rows: list[dict] = []
     seen: set[str] = set()
+    race = getattr(report, "race", None)
+    if race and race.get("results"):
+        from .trees import Tree
+
+        w = race["results"][0]
+        tree = Tree.from_paths(w["paths"], "lab-race")
+        rows.append({"key": "lab-race", "tree": tree, "candidate": None, "race": w,
+                     "cells": ["lab-race", "–", "on-policy race", w["n_nodes"], w["depth"], _num(w.get("predicted_tau")),
+                               _num(w["tau"]), "–", _num(w["tokens_per_s"], ".1f"), _num(w["speedup"], ".2f"),
+                               f"fastest of {len(race['results'])} small trees ({w['name']}), each decoding "
+                               f"{race['n_prompts']} further held-out prompts; τ held-out is its on-policy τ there"]})
+        seen.add("lab-race")
     chosen = [(f"b{r['budget']}" + ("" if r["role"] == "tokens_per_s" else "-tau"), r["budget"], r["role"], r["candidate"])
               for r in report.chosen()]
     ref = report.reference()
@@ -971,10 +984,13 @@ def _download_for(key: str, info: dict) -> str:
     return _tree_download(tree, info.get("file") or key, info.get("extra"))
 
 
-def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prompts, max_new_tokens, state,
+def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prompts, max_new_tokens, race, state,
                progress=gr.Progress()):
     """Run the tree search. Outputs: status, τ frontier, tokens/s frontier, table of chosen
-    trees, tree picker, tree drawing, tree download, chat tree picker, session state."""
+    trees, tree picker, tree drawing, tree download, chat tree picker, session state.
+
+    race: also race small trees on-policy (`run_search`'s step 6): half the prompts are held
+    out, one checks the predictions, the others race; the winner heads the table."""
     from .trees import Tree
 
     state = _new_state(state)
@@ -993,9 +1009,18 @@ def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prom
         n_prompts = int(min(max(int(max_prompts or 2), 2), LAB_MAX_PROMPTS))
         n_new = int(min(max(int(max_new_tokens or 1), 1), LAB_MAX_NEW_TOKENS))
         prompts, ps = _lab_prompts(calib_file, bool(use_example), n_prompts, notes)
+        kw = dict(held_out=0.25)
+        if race:
+            from .data import split_prompts
+
+            n_held = len(split_prompts(prompts, 0.5, 0)[1])
+            if n_held < 2:
+                raise AppError("racing needs at least 4 distinct prompts (half are held out, one checks, the rest race)")
+            kw = dict(held_out=0.5, max_eval=1, race_prompts=n_held - 1, race_max_nodes=LAB_RACE_MAX_NODES,
+                      race_max_depth=LAB_RACE_MAX_DEPTH)
         progress(0.0, desc="statistics pass")
-        report = search.run_search(entry.engine, heads_name, prompts, picked, max_new_tokens=n_new, held_out=0.25,
-                                   seed=0, progress=_progress_adapter(progress), latency_repeats=3)
+        report = search.run_search(entry.engine, heads_name, prompts, picked, max_new_tokens=n_new, seed=0,
+                                   progress=_progress_adapter(progress), latency_repeats=3, **kw)
         rows = lab_rows(report)
         if not rows:
             raise AppError("the search returned no trees")
@@ -1006,16 +1031,21 @@ def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prom
         for r in rows:
             c = r["candidate"]
             trees[r["key"]] = [list(p) for p in r["tree"].paths]
-            lab[r["key"]] = {"paths": trees[r["key"]], "file": f"{prefix}-{r['key'].removeprefix('lab-')}",
-                             "extra": {"source": "entmtp topology lab (app)", "predicted_tau": c.predicted_tau,
-                                       "predicted_tokens_per_s": c.predicted_tokens_per_s,
-                                       "data_sha256": (report.provenance.get("data") or {}).get("sha256")}}
+            extra = {"source": "entmtp topology lab (app)",
+                     "data_sha256": (report.provenance.get("data") or {}).get("sha256")}
+            if c is not None:
+                extra.update(predicted_tau=c.predicted_tau, predicted_tokens_per_s=c.predicted_tokens_per_s)
+            else:  # the race winner
+                w = r["race"]
+                extra.update(chosen_by="on-policy race", predicted_tau=w.get("predicted_tau"), held_out_tau=w["tau"],
+                             held_out_tokens_per_s=w["tokens_per_s"], held_out_speedup=w["speedup"])
+            lab[r["key"]] = {"paths": trees[r["key"]], "file": f"{prefix}-{r['key'].removeprefix('lab-')}", "extra": extra}
         state["trees"], state["lab"] = trees, lab
         first = rows[0]["key"]
         ev = report.evaluation or {}
         status = (f'<div class="entmtp-stats">{len(prompts)} prompts from {html.escape(ps.source)}: '
                   f"{(report.provenance.get('data') or {}).get('n_calibration')} for the statistics, "
-                  f"{ev.get('n_prompts', 0)} held out · budgets {picked} · {n_new} new tokens per prompt · "
+                  f"{ev.get('n_prompts', 0) + (report.race or {}).get('n_prompts', 0)} held out · budgets {picked} · {n_new} new tokens per prompt · "
                   f"{html.escape(str(heads_name))} heads · {len(report.candidates)} candidates searched in "
                   f"{report.timings.get('total_s', 0.0):.1f} s</div>") + _notice_md(notes + list(report.warnings))
         tree0 = Tree.from_paths(lab[first]["paths"], first)
@@ -1227,7 +1257,7 @@ def build_demo() -> gr.Blocks:
             with gr.Tab("Topology lab", id="lab"):
                 gr.Markdown("Search draft-tree topologies for *your* prompts: statistics from a calibration file, "
                             "a greedy search per node budget, **predicted τ** on the calibration prompts and "
-                            "**measured τ** on held-out ones (25%). Limits here: "
+                            "**measured τ** on held-out ones (25%; 50% when racing small trees on-policy). Limits here: "
                             f"{LAB_MAX_PROMPTS} prompts, {LAB_MAX_NEW_TOKENS} new tokens per prompt, budgets up to "
                             f"{max(LAB_BUDGETS)} nodes, uploads up to {UPLOAD_MAX_BYTES // (1024 * 1024)} MB "
                             f"({', '.join(UPLOAD_TYPES)}).")
@@ -1248,6 +1278,8 @@ def build_demo() -> gr.Blocks:
                                                 elem_id="lab_prompts")
                         lab_new = gr.Slider(8, LAB_MAX_NEW_TOKENS, value=32, step=8, label="new tokens per prompt",
                                             elem_id="lab_new")
+                        lab_race = gr.Checkbox(value=False, label="race small trees on-policy (slower; for noisy "
+                                               "CPUs whose step times cannot rank them)", elem_id="lab_race")
                         lab_btn = gr.Button("Run search", variant="primary", elem_id="lab_btn",
                                             interactive=lab_why is None)
                 lab_status = gr.HTML("", elem_id="lab_status")
@@ -1303,7 +1335,7 @@ def build_demo() -> gr.Blocks:
         race_btn.click(race, [race_prompt, model_dd, race_new], [race_table, race_plot, race_cards, race_status],
                        api_name="race", concurrency_id="race", concurrency_limit=1)
 
-        lab_btn.click(lab_search, [calib, use_example, model_dd, lab_heads, budgets, lab_prompts, lab_new, state],
+        lab_btn.click(lab_search, [calib, use_example, model_dd, lab_heads, budgets, lab_prompts, lab_new, lab_race, state],
                       [lab_status, frontier, heldout, cand_table, cand_dd, cand_plot, cand_file, tree_dd, state],
                       api_name="lab_search", concurrency_id="lab", concurrency_limit=1)
         cand_dd.input(lab_select, [cand_dd, state], [cand_plot, cand_file], api_name="lab_select",

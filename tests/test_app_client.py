@@ -212,7 +212,7 @@ def test_lab_search_select_and_download(client, server):
         ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
          "paris is the capital.", "one two three four five", "how are you, world?"])) + "\n")
     status, tau_fig, tps_fig, table, picker, tree_fig, download, *_ = client.predict(
-        handle_file(calib), False, "default", "hydra", [4, 8], 6, 16, api_name="/lab_search")
+        handle_file(calib), False, "default", "hydra", [4, 8], 6, 16, False, api_name="/lab_search")
     assert "entmtp-error" not in status, status
     assert "6 prompts from calib.jsonl" in status
     assert any("Pareto" in (n or "") for n in trace_names(tau_fig))
@@ -235,20 +235,42 @@ def test_lab_search_select_and_download(client, server):
 
 
 @needs_search
+def test_lab_search_race_puts_the_on_policy_winner_first(client, server):
+    root = server[1]
+    calib = write(root / "calib_race.jsonl", "\n".join(json.dumps({"id": f"r{i}", "prompt": p}) for i, p in enumerate(
+        ["hello world, how are you today?", "the cat sat on the mat.", "what is the capital of france?",
+         "paris is the capital.", "one two three four five", "how are you, world?", "name three colours.",
+         "say something kind."])) + "\n")
+    status, _, _, table, picker, tree_fig, download, *_ = client.predict(
+        handle_file(calib), False, "default", "hydra", [4], 8, 8, True, api_name="/lab_search")
+    assert "entmtp-error" not in status, status
+    first = table["data"][0]
+    assert first[0] == "lab-race" and first[2] == "on-policy race" and picker["value"] == "lab-race"
+    assert 1 <= first[3] <= 5 and 1 <= first[4] <= 3 and float(first[8]) > 0  # a small tree, measured tokens/s
+    assert "fastest of" in first[10] and "held-out prompts" in first[10]
+    assert any(r[0] == "lab-b4" for r in table["data"])
+    doc = json.loads(open(download).read())
+    assert doc["chosen_by"] == "on-policy race" and len(doc["paths"]) == first[3] and doc["held_out_tokens_per_s"] > 0
+    # too few prompts to hold half out and race: a visible message, no traceback
+    status = client.predict(None, True, "default", "hydra", [4], 2, 8, True, api_name="/lab_search")[0]
+    assert "entmtp-error" in status and "racing needs at least 4" in status
+
+
+@needs_search
 def test_lab_search_with_the_bundled_example_and_bad_uploads(client, server):
     root = server[1]
-    status = client.predict(None, True, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+    status = client.predict(None, True, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "calib_example.jsonl (bundled)" in status and "first 4 of" in status
     bad = write(root / "bad.jsonl", "{not json\n[1, 2\n")
-    status = client.predict(handle_file(bad), False, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+    status = client.predict(handle_file(bad), False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "entmtp-error" in status and "no usable prompt" in status
     big = root / "big.txt"
     big.write_text("x" * (5 * 1024 * 1024 + 10))
     with pytest.raises(Exception, match="(?i)file size|too large|exceeds"):
-        client.predict(handle_file(str(big)), False, "default", "hydra", [4], 4, 8, api_name="/lab_search")
-    status = client.predict(None, False, "default", "hydra", [4], 4, 8, api_name="/lab_search")[0]
+        client.predict(handle_file(str(big)), False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")
+    status = client.predict(None, False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "upload a calibration file" in status
-    status = client.predict(None, True, "default", "hydra++", [4], 4, 8, api_name="/lab_search")[0]
+    status = client.predict(None, True, "default", "hydra++", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "no hydra++ heads loaded" in status
     with pytest.raises(Exception, match="not in the list of choices"):
         client.predict("lab-nothing", api_name="/lab_select")
@@ -304,7 +326,7 @@ def test_lab_says_so_when_the_search_is_missing(monkeypatch):
     from entmtp import ui
 
     monkeypatch.setattr(ui, "_search_module", lambda: (None, "the topology lab is not available in this version"))
-    out = ui.lab_search(None, True, "default", "hydra", [4], 4, 8, None, progress=lambda *a, **k: None)
+    out = ui.lab_search(None, True, "default", "hydra", [4], 4, 8, False, None, progress=lambda *a, **k: None)
     assert "entmtp-error" in out[0] and "not available" in out[0]
     demo = ui.build_demo()
     html_blocks = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "lab_unavailable"]
