@@ -72,3 +72,25 @@ def test_every_recorded_tree_and_bank_exists_for_every_dtype_and_hardware_class(
             elif key.startswith("default_bank"):
                 assert load_bank(TREES_DIR / name).trees, (cfg, key)
     assert "default_tree_float32@cpu-avx2" in keys and "default_tree" in keys
+
+
+def test_accept_by_depth_script_reports_a_consistent_survival_table():
+    """scripts/accept_by_depth.py: P(accept >= d) never rises with d, the chain's tau is 1 + their
+    sum, and the trained Hydra heads accept drafts on the bench prompts."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "scripts" / "accept_by_depth.py"), "--heads", "hydra",
+                        "--per-category", "1", "--max-new-tokens", "24", "--depth", "3"],
+                       capture_output=True, text=True, timeout=600, cwd=root,
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| bench.jsonl")]
+    assert len(rows) == 1, p.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[0] == "bench.jsonl (6)" and cells[1] == "hydra" and int(cells[2]) > 0
+    surv = [float(x) for x in cells[3:6]]
+    assert surv == sorted(surv, reverse=True) and surv[0] > 0.1
+    assert abs(float(cells[6]) - (1 + sum(surv))) < 0.011
+    assert re.search(r"P\(accept >= 3\)", p.stdout)
