@@ -504,7 +504,6 @@ def evaluate_trees(engine, heads: str, trees: Sequence[Tree], prompts: Sequence[
     return res
 
 
-
 def race_proposals(stats: CalibrationStats, max_nodes: int = 6, max_depth: int = 3, min_nodes: int = 1) -> list[Candidate]:
     """For every (nodes, depth) with min_nodes <= nodes <= max_nodes and depth <= max_depth, the
     searched tree with the highest replayed tau: the few small trees a CPU can afford, between
@@ -1049,6 +1048,8 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
         raise ValueError(f"race_prompts must be in 0..{MAX_EVAL_PROMPTS}")
     if race_prompts and held_out <= 0:
         raise ValueError("the race decodes held-out prompts: give a held-out fraction > 0")
+    if race_prompts and not (1 <= race_max_nodes <= MAX_BUDGET and race_max_depth >= 1):
+        raise ValueError(f"race_max_nodes must be in 1..{MAX_BUDGET} and race_max_depth >= 1")
     data = {"source": None, "sha256": None, "skipped": 0}
     if isinstance(prompts, PromptSet):
         data = {"source": prompts.source, "sha256": prompts.sha256, "format": prompts.format, "skipped": len(prompts.skipped)}
@@ -1158,6 +1159,9 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
             report.warnings.append(f"the race decoded {len(pool)} held-out prompts, not the {race_prompts} asked for: "
                                    f"the held-out split has no more beyond the {max_eval} of the on-policy check")
         report.race = _race(report, engine, heads, pool, spec, max_new_tokens, race_max_nodes, race_max_depth, progress)
+        if report.race["identical_outputs"] is False:
+            report.warnings.append("greedy outputs of a raced tree differ from plain decoding on some race prompt "
+                                   "(float noise on near-ties, or a bug)")
         timings["race_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
     report.warnings += _warnings(report)
