@@ -91,16 +91,15 @@ def main() -> int:
         return 1
     if args.save:
         win = rows[0]
-        out = {"name": Path(args.save).stem, "paths": win["paths"], "n_nodes": win["n_nodes"],
-               "depth": win["depth"], "chosen_by": "on-policy race (scripts/race_trees.py)",
-               "predicted_tau": win["predicted_tau"], "held_out_tau": win["tau"],
-               "held_out_tokens_per_s": win["tokens_per_s"], "held_out_speedup": win["speedup"],
-               "race": {"command": "python scripts/race_trees.py " + " ".join(sys.argv[1:]), "prompts": len(held),
-                        "skip": args.skip, "data": args.data, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-                        "stats": str(args.stats),
-                        "results": [{"paths": m["paths"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"]}
-                                    for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": race["baseline_tokens_per_s"]}]}}
-        Path(args.save).write_text(json.dumps(out, indent=1) + "\n")
+        extra = {"chosen_by": "on-policy race (scripts/race_trees.py)",
+                 "predicted_tau": win["predicted_tau"], "held_out_tau": win["tau"],
+                 "held_out_tokens_per_s": win["tokens_per_s"], "held_out_speedup": win["speedup"],
+                 "race": {"command": "python scripts/race_trees.py " + " ".join(sys.argv[1:]), "prompts": len(held),
+                          "skip": args.skip, "data": args.data, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                          "stats": str(args.stats),
+                          "results": [{"paths": m["paths"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"]}
+                                      for m in rows] + [{"paths": [], "tau": 1.0, "tokens_per_s": race["baseline_tokens_per_s"]}]}}
+        Tree.from_paths(win["paths"], Path(args.save).stem).save(args.save, extra=extra)
         print(f"saved {args.save}")
         if args.record:
             from entmtp.hardware import hardware_class
