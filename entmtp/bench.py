@@ -192,9 +192,48 @@ def summarize(runs: list[Run], methods: list[str]) -> dict:
         ps = [p for p in prompts if cats[p] == c]
         summary["categories"][c] = {m: agg([med[(p, m)] for p in ps], [med[(p, "hf")] for p in ps] if has_hf else None)
                                     for m in methods}
+    summary["headline"] = headline(summary)
     summary["per_prompt"] = {p: {m: {"tokens_per_s": med[(p, m)].tokens_per_s, "tau": med[(p, m)].tau,
                                      "new_tokens": med[(p, m)].new_tokens} for m in methods} for p in prompts}
     return summary
+
+
+HYDRA_FAMILY = ("hydra", "hydra++")
+
+
+def headline(summary: dict) -> dict:
+    """The figures a speculative-decoding benchmark is judged by, from `summarize`'s output.
+
+    entmtp_vs_hf: entmtp's tokens/s over `generate`'s; hydra_vs_medusa: the best Hydra-family
+    method's tokens/s over Medusa's (with which method that was); identical_to_hf: each method's
+    share of prompts whose output is token-identical to `generate`'s. A figure whose methods did
+    not run is absent."""
+    ms = summary["methods"]
+    tps = {m: v["tokens_per_s"] for m, v in ms.items()}
+    out: dict = {}
+    if "entmtp" in tps and tps.get("hf"):
+        out["entmtp_vs_hf"] = tps["entmtp"] / tps["hf"]
+    family = [m for m in HYDRA_FAMILY if m in tps]
+    if family and tps.get("medusa"):
+        best = max(family, key=lambda m: tps[m])
+        out["hydra_vs_medusa"] = {"ratio": tps[best] / tps["medusa"], "method": best}
+    if "hf" in tps:
+        out["identical_to_hf"] = {m: v.get("identical_to_hf") for m, v in ms.items() if m != "hf"}
+    return out
+
+
+def headline_lines(head: dict) -> list[str]:
+    """`headline` as sentences for the terminal and report.md."""
+    lines = []
+    if "entmtp_vs_hf" in head:
+        lines.append(f"entmtp / hf tokens/s: {head['entmtp_vs_hf']:.2f}x")
+    if "hydra_vs_medusa" in head:
+        h = head["hydra_vs_medusa"]
+        lines.append(f"best Hydra-family ({h['method']}) / medusa tokens/s: {h['ratio']:.3f}x")
+    if head.get("identical_to_hf"):
+        lines.append("token-identical to hf: " + ", ".join(
+            f"{m} {'n/a' if r is None else f'{r:.0%}'}" for m, r in head["identical_to_hf"].items()))
+    return lines
 
 
 def markdown_table(summary: dict, methods: list[str]) -> str:
@@ -240,7 +279,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           "Recorded trees / banks for this dtype and hardware: " + (", ".join(
               f"{h} {v['tree']} / {v['bank']}" for h, v in meta.get("recorded_trees", {}).items()) or "none")
           + "".join(f"; overridden by --{k} {v}" for k, v in (meta.get("overrides") or {}).items() if v) + ".", "",
-          table, *cat_lines, ""]
+          table, "", *[f"* {line}" for line in headline_lines(summary.get("headline", {}))], *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
     fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
                            text=[f"{summary['methods'][m].get('speedup_vs_hf') or 0:.2f}x" for m in methods] if "hf" in methods else None))
@@ -329,5 +368,7 @@ def cmd_bench(args) -> int:
         print(f"\nbaseline / hf tokens/s ratio: {b['speedup_vs_hf']:.3f}; "
               f"engine bookkeeping share of step time: {b.get('bookkeeping_share', 0):.1%} (baseline), " + ", ".join(
                   f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in methods if m not in ("hf", "pld", "baseline")))
+    for line in headline_lines(summary["headline"]):
+        print(line)
     print(f"reports: {args.out}/summary.json, runs.csv, report.md, report.html")
     return 0

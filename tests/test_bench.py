@@ -5,7 +5,7 @@ import json
 
 from conftest import random_heads, save_tiny_base
 from entmtp import cli
-from entmtp.bench import take_per_category
+from entmtp.bench import headline, headline_lines, take_per_category
 from entmtp.checkpoints import save_heads
 from entmtp.data import Prompt
 
@@ -40,6 +40,10 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert list(s["meta"]["recorded_trees"].values()) == [{"tree": None, "bank": None}]  # one head set, nothing recorded
     assert "overridden by --tree binary_2x2" in (out / "report.md").read_text()
     assert "baseline / hf tokens/s ratio" in printed.out
+    # the headline: identity per method printed; no medusa / entmtp ran, so no ratio is made up for them
+    assert s["headline"] == {"identical_to_hf": {m: 1.0 for m in ("pld", "baseline", "lookup", "hydra", "dynamic")}}
+    assert "token-identical to hf: pld 100%, baseline 100%" in printed.out and "Hydra-family" not in printed.out
+    assert "* token-identical to hf:" in report
 
 
 def test_bad_method_is_one_line(tmp_path, capsys):
@@ -51,3 +55,19 @@ def test_bad_method_is_one_line(tmp_path, capsys):
 def test_take_per_category():
     ps = [Prompt.from_text(f"t{i}", id=str(i), category="ab"[i % 2]) for i in range(7)]
     assert [p.id for p in take_per_category(ps, 2)] == ["0", "1", "2", "3"]
+
+
+def test_headline_takes_the_best_hydra_family_method():
+    ms = {"hf": (10.0, 1.0), "medusa": (30.0, 0.5), "hydra": (33.0, 0.5), "hydra++": (36.0, 0.25), "entmtp": (40.0, None)}
+    summary = {"methods": {m: {"tokens_per_s": t, "identical_to_hf": i} for m, (t, i) in ms.items()}}
+    h = headline(summary)
+    assert h["entmtp_vs_hf"] == 4.0
+    assert h["hydra_vs_medusa"] == {"ratio": 1.2, "method": "hydra++"}
+    assert h["identical_to_hf"] == {"medusa": 0.5, "hydra": 0.5, "hydra++": 0.25, "entmtp": None}
+    lines = headline_lines(h)
+    assert lines[0] == "entmtp / hf tokens/s: 4.00x"
+    assert lines[1] == "best Hydra-family (hydra++) / medusa tokens/s: 1.200x"
+    assert lines[2] == "token-identical to hf: medusa 50%, hydra 50%, hydra++ 25%, entmtp n/a"
+    # without hf nothing is relative to it; without medusa no family ratio
+    del summary["methods"]["hf"], summary["methods"]["medusa"]
+    assert headline(summary) == {}
