@@ -109,7 +109,7 @@ def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[i
             sched = build_scheduler(engine, heads, argparse.Namespace(tree=args.tree, scheduler=args.scheduler if m == "entmtp" else None,
                                                                       bank=args.bank, method=m)) if heads else None
 
-            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, lookup=method_lookup(m, args))):
+            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, **method_lookup(m, args))):
                 r = engine.run(ids, heads=heads, scheduler=sched, config=cfg)
                 step_s = sum(s.time_total for s in r.steps)
                 return r.tokens, 1 + sum(1 for s in r.steps if s.time_verify > 0), sum(s.time_bookkeeping for s in r.steps), step_s
@@ -275,6 +275,8 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
           f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']} ({meta.get('hardware', '?')}).",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
+          + ("; grafted after a match of at least " + ", ".join(f"{m} {k}" for m, k in meta["lookup_min_ngram"].items()) + " tokens"
+             if meta.get("lookup_min_ngram") else "")
           + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.",
           "Recorded trees / banks for this dtype and hardware: " + (", ".join(
               f"{h} {v['tree']} / {v['bank']}" for h, v in meta.get("recorded_trees", {}).items()) or "none")
@@ -308,7 +310,7 @@ def take_per_category(prompts, k: int) -> list:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_args
+    from .cli import add_lookup_min_ngram_argument, add_model_args
 
     add_model_args(p)
     p.add_argument("--prompts", default=None, help="prompt file (any format the loader reads); default: the bundled bench set")
@@ -323,6 +325,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="prompt-lookup chain length for every method with heads (default: entmtp 4, lookup 8, others 0)")
+    add_lookup_min_ngram_argument(p)
     p.add_argument("--out", default="runs/bench")
 
 
@@ -355,7 +358,9 @@ def cmd_bench(args) -> int:
             "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
             "hardware": hardware_class(engine.device),
             "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
-            "lookup": {m: method_lookup(m, args) for m in methods if m not in ("hf", "pld")},
+            "lookup": {m: method_lookup(m, args)["lookup"] for m in methods if m not in ("hf", "pld")},
+            "lookup_min_ngram": {m: method_lookup(m, args)["lookup_min_ngram"] for m in methods
+                                 if m not in ("hf", "pld") and method_lookup(m, args)["lookup"]},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
             "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
             "recorded_trees": recorded_trees(engine, methods, args),

@@ -13,9 +13,14 @@ import time
 from pathlib import Path
 
 METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
-# Prompt-lookup chain length per method when --lookup is not given: entmtp grafts copied context
-# spans onto its trees; "lookup" is our prompt-lookup decoding (no heads); the others are pure heads.
-DEFAULT_LOOKUP = {"entmtp": 4, "lookup": 8}  # entmtp: 4 (on the bench set 4 -> 8 tokens gained 1% tau for 17% more nodes)
+# Prompt lookup per method when --lookup / --lookup-min-ngram are not given: (chain length, shortest
+# n-gram whose match is grafted). entmtp grafts copied context spans onto its trees; "lookup" is our
+# prompt-lookup decoding (no heads); the others are pure heads. entmtp: 4 tokens (4 -> 8 gained 1% tau
+# for 17% more nodes); matches of >= 2 tokens only (session 18, held-out calibration-distribution
+# prompts: a one-token match grafts a branch on most steps that the heads' tree mostly beats -- 1.4
+# lookup rows a step instead of 0.6 for +2% tau -- and bigrams or longer decoded 4-7% faster;
+# `python runs/probe18_lookup.py`, see docs/bench/HISTORY.md). Without heads every match is the draft.
+DEFAULT_LOOKUP = {"entmtp": (4, 2), "lookup": (8, 1)}
 
 
 class CLIError(Exception):
@@ -74,14 +79,25 @@ def method_heads(method: str, args) -> str | None:
     return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra++", "dynamic": "hydra++"}[method]
 
 
-def method_lookup(method: str, args=None) -> int:
-    """Prompt-lookup chain length of a method: --lookup for every method with heads, else its default."""
-    given = getattr(args, "lookup", None)
+def method_lookup(method: str, args=None) -> dict:
+    """A method's prompt-lookup fields of `DecodeConfig` ({"lookup": chain length, "lookup_min_ngram":
+    shortest grafted n-gram}): --lookup / --lookup-min-ngram for every method with heads, else its
+    defaults; baseline never looks up."""
     if method == "baseline":
-        return 0
+        return {"lookup": 0, "lookup_min_ngram": 1}
+    length, min_ngram = DEFAULT_LOOKUP.get(method, (0, 1))
+    given, given_min = getattr(args, "lookup", None), getattr(args, "lookup_min_ngram", None)
     if given is not None and method != "lookup":
-        return given
-    return DEFAULT_LOOKUP.get(method, 0)
+        length = given
+    if given_min is not None:
+        min_ngram = given_min
+    return {"lookup": length, "lookup_min_ngram": min_ngram}
+
+
+def add_lookup_min_ngram_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup-min-ngram", type=int, default=None, metavar="N", choices=range(1, 4),
+                   help="graft a context copy only after a match of at least N tokens (1-3); default: "
+                        + ", ".join(f"{k} {v[1]}" for k, v in DEFAULT_LOOKUP.items()))
 
 
 def load_engine_for(args, methods: list[str]):
@@ -146,7 +162,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="graft up to N tokens copied from the context (prompt lookup) onto each draft tree; "
-                        f"0 = off; default: {', '.join(f'{k} {v}' for k, v in DEFAULT_LOOKUP.items())}, others 0")
+                        f"0 = off; default: {', '.join(f'{k} {v[0]}' for k, v in DEFAULT_LOOKUP.items())}, others 0")
+    add_lookup_min_ngram_argument(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print the whole trace as JSON")
@@ -177,7 +194,7 @@ def cmd_generate(args) -> int:
     sched = build_scheduler(engine, heads_name, args) if heads_name else None
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.top_p, args.top_k),
                        rule=args.rule, stop_strings=tuple(args.stop), seed=args.seed,
-                       trace="full" if args.json else "summary", lookup=method_lookup(args.method, args))
+                       trace="full" if args.json else "summary", **method_lookup(args.method, args))
     ids = render_user_prompt(engine, args.prompt, args.raw)
     t0 = time.perf_counter()
     gen = engine.generate(ids, heads=heads_name, scheduler=sched, config=cfg)

@@ -51,6 +51,7 @@ class DecodeConfig:
     on_long_prompt: str = "truncate"  # "truncate" (keep the end, add a notice) or "error"
     lookup: int = 0  # prompt lookup: graft up to this many context-copied tokens onto each tree (0 = off)
     lookup_ngram: int = 3  # longest n-gram matched against the context
+    lookup_min_ngram: int = 1  # shortest n-gram whose match is grafted
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -61,6 +62,8 @@ class DecodeConfig:
             raise ValueError("on_long_prompt must be 'truncate' or 'error'")
         if self.lookup < 0 or self.lookup_ngram < 1:
             raise ValueError("lookup must be >= 0 and lookup_ngram >= 1")
+        if not 1 <= self.lookup_min_ngram <= self.lookup_ngram:
+            raise ValueError("lookup_min_ngram must be between 1 and lookup_ngram")
 
 
 def _sync(device: torch.device) -> None:
@@ -313,7 +316,7 @@ class Generation:
         tokens = tree_tokens.tolist()
         drafted_tree, lookup_nodes = tree, None
         if self.ngrams is not None:
-            chain = self.ngrams.continuation([self.root], min(cfg.lookup, room - tree.size, remaining - 1))
+            chain = self.ngrams.continuation([self.root], min(cfg.lookup, room - tree.size, remaining - 1), cfg.lookup_min_ngram)
             if chain:
                 tree, tokens, lookup_nodes = graft_chain(tree, tokens, chain)
                 if lookup_nodes:

@@ -559,7 +559,7 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
         n_new = int(min(max(int(max_new_tokens or 1), 1), CHAT_MAX_NEW_TOKENS))
         temp = float(temperature or 0.0)
         cfg = DecodeConfig(max_new_tokens=n_new, sampling=Sampling(max(temp, 0.0), float(top_p or 1.0)),
-                           trace="full", lookup=method_lookup(method))
+                           trace="full", **method_lookup(method))
         if cfg.lookup:
             label += " + prompt lookup"
         msgs = history_messages(history) + [{"role": "user", "content": text}]
@@ -782,9 +782,9 @@ def race(prompt, model_key, max_new_tokens):
                 if notes:
                     row["note"] = "; ".join(notes)
                 lookup = method_lookup(method)
-                if lookup:
+                if lookup["lookup"]:
                     row["label"] += " + prompt lookup"
-                gen = engine.generate(ids, heads=heads, scheduler=sched, config=dataclasses.replace(cfg, lookup=lookup))
+                gen = engine.generate(ids, heads=heads, scheduler=sched, config=dataclasses.replace(cfg, **lookup))
                 t0 = time.perf_counter()
                 last = t0
                 for _ in gen:
@@ -833,7 +833,7 @@ def _warm_up_methods(entry: LoadedModel, ids: list[int]) -> None:
             heads, sched, _ = build_decoding(entry, method, DEFAULT_TREE, "static", None, [])
         except AppError:
             continue
-        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3, lookup=method_lookup(method)))
+        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3, **method_lookup(method)))
     entry.warm = True
 
 

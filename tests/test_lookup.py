@@ -100,6 +100,33 @@ def test_lookup_config_is_validated():
         DecodeConfig(lookup=-1)
     with pytest.raises(ValueError):
         DecodeConfig(lookup=4, lookup_ngram=0)
+    for bad in (0, 4):  # between 1 and lookup_ngram (3)
+        with pytest.raises(ValueError, match="lookup_min_ngram"):
+            DecodeConfig(lookup=4, lookup_min_ngram=bad)
+
+
+@pytest.mark.parametrize("heads", [None, "hydra"])
+def test_lookup_min_ngram_grafts_only_longer_matches_and_stays_lossless(heads):
+    eng = engine_for("llama")
+    prompt = [5, 9, 2, 7, 11, 5, 9, 2, 3, 9, 4]
+    tree = None if heads is None else resolve_tree("binary_2x2")
+    runs = {}
+    for k in (1, 2, 3):
+        g = eng.generate(prompt, heads=heads, tree=tree,
+                         config=DecodeConfig(max_new_tokens=60, eos_token_ids=(), lookup=6, lookup_min_ngram=k, trace="full"))
+        steps = list(g)
+        runs[k] = (g.result, steps)
+        emitted = list(prompt)
+        for s in steps:
+            ctx = emitted + [s.tokens[0]]  # the context a step's lookup matches against ends with its root
+            if s.lookup_nodes:
+                # some n-gram of length >= k ending the context occurred earlier in it
+                assert any(ctx[-n:] == ctx[e - n + 1: e + 1] for n in range(k, 4) for e in range(n - 1, len(ctx) - 1)), (k, s)
+            emitted += s.emitted
+    ref = hf_greedy(eng.model, prompt, 60)
+    assert all(r.tokens == ref for r, _ in runs.values())
+    copied = {k: sum(len(s.lookup_nodes or ()) for s in steps) for k, (_, steps) in runs.items()}
+    assert copied[1] > copied[3] and copied[1] >= copied[2] >= copied[3]
 
 
 def test_app_stats_count_tokens_accepted_from_lookup():
