@@ -19,7 +19,7 @@ METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynami
 # for 17% more nodes); matches of >= 2 tokens only (session 18, held-out calibration-distribution
 # prompts: a one-token match grafts a branch on most steps that the heads' tree mostly beats -- 1.4
 # lookup rows a step instead of 0.6 for +2% tau -- and bigrams or longer decoded 4-7% faster;
-# `python runs/probe18_lookup.py`, see docs/bench/HISTORY.md). Without heads every match is the draft.
+# `python scripts/compare_lookup.py`, docs/bench/HISTORY.md). Without heads every match is the draft.
 DEFAULT_LOOKUP = {"entmtp": (4, 2), "lookup": (8, 1)}
 
 

@@ -94,3 +94,22 @@ def test_accept_by_depth_script_reports_a_consistent_survival_table():
     assert surv == sorted(surv, reverse=True) and surv[0] > 0.1
     assert abs(float(cells[6]) - (1 + sum(surv))) < 0.011
     assert re.search(r"P\(accept >= 3\)", p.stdout)
+
+
+def test_compare_lookup_script_measures_variants_losslessly():
+    """scripts/compare_lookup.py: one row per variant, every output equal to the first variant's
+    (greedy lookup is lossless), no lookup rows without lookup; a bad variant is refused."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(root / "scripts" / "compare_lookup.py"), "--n", "2", "--max-new-tokens", "24"]
+    p = subprocess.run(cmd + ["--variants", "0,4:1,4:2"], capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert p.returncode == 0, p.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in p.stdout.splitlines()
+            if line.startswith("| no lookup") or line.startswith("| 4 tokens")]
+    assert [r[0] for r in rows] == ["no lookup", "4 tokens after >= 1-token matches", "4 tokens after >= 2-token matches"]
+    assert rows[0][2] == "1.000x" and float(rows[0][4]) == 0.0  # the reference, and no grafted rows without lookup
+    assert all(r[-1] == "2/2" and float(r[3]) >= 1.0 for r in rows)
+    bad = subprocess.run(cmd + ["--variants", "4:7"], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert bad.returncode == 2 and "bad variant '4:7'" in bad.stderr and "Traceback" not in bad.stderr
