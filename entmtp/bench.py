@@ -109,7 +109,7 @@ def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[i
             sched = build_scheduler(engine, heads, argparse.Namespace(tree=args.tree, scheduler=args.scheduler if m == "entmtp" else None,
                                                                       bank=args.bank, method=m)) if heads else None
 
-            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, **method_lookup(m, args))):
+            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, **method_lookup(m, args, engine, heads))):
                 r = engine.run(ids, heads=heads, scheduler=sched, config=cfg)
                 step_s = sum(s.time_total for s in r.steps)
                 return r.tokens, 1 + sum(1 for s in r.steps if s.time_verify > 0), sum(s.time_bookkeeping for s in r.steps), step_s
@@ -331,7 +331,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args) -> int:
     """benchmark hf / pld / baseline / medusa / hydra / entmtp side by side"""
-    from .cli import CLIError, load_engine_for, method_lookup
+    from .cli import CLIError, load_engine_for, method_heads, method_lookup
     from .data import bundled_prompts, load_prompts
     from .hardware import hardware_class
     from .models import describe_model
@@ -353,14 +353,14 @@ def cmd_bench(args) -> int:
     print(f"# {command}", file=sys.stderr)
     runs = run_bench(engine, prompts, methods, args, progress=lambda s: print(s, file=sys.stderr, end="\r"))
     summary = summarize(runs, methods)
+    looks = {m: method_lookup(m, args, engine, method_heads(m, args)) for m in methods if m not in ("hf", "pld")}
     meta = {"command": command, "model": describe_model(engine.model), "dtype": args.dtype, "device": str(engine.device),
             "prompts": len(prompts), "prompt_file_sha256": ps.sha256, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
             "hardware": hardware_class(engine.device),
             "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
-            "lookup": {m: method_lookup(m, args)["lookup"] for m in methods if m not in ("hf", "pld")},
-            "lookup_min_ngram": {m: method_lookup(m, args)["lookup_min_ngram"] for m in methods
-                                 if m not in ("hf", "pld") and method_lookup(m, args)["lookup"]},
+            "lookup": {m: looks[m]["lookup"] for m in looks},
+            "lookup_min_ngram": {m: looks[m]["lookup_min_ngram"] for m in looks if looks[m]["lookup"]},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
             "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
             "recorded_trees": recorded_trees(engine, methods, args),

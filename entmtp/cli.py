@@ -16,11 +16,13 @@ METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynami
 # Prompt lookup per method when --lookup / --lookup-min-ngram are not given: (chain length, shortest
 # n-gram whose match is grafted). entmtp grafts copied context spans onto its trees; "lookup" is our
 # prompt-lookup decoding (no heads); the others are pure heads. entmtp: 4 tokens (4 -> 8 gained 1% tau
-# for 17% more nodes); matches of >= 2 tokens only (session 18, held-out calibration-distribution
-# prompts: a one-token match grafts a branch on most steps that the heads' tree mostly beats -- 1.4
-# lookup rows a step instead of 0.6 for +2% tau -- and bigrams or longer decoded 4-7% faster;
-# `python scripts/compare_lookup.py`, docs/bench/HISTORY.md). Without heads every match is the draft.
-DEFAULT_LOOKUP = {"entmtp": (4, 2), "lookup": (8, 1)}
+# for 17% more nodes) after any match. Where a tree row is dear the heads' checkpoint records a longer
+# shortest match per dtype and hardware class (`default_lookup_min_ngram_<dtype>@<class>`, like its
+# trees): bf16 on an AVX2 CPU without bf16 units grafts after >= 2-token matches, since a one-token
+# match grafted a branch on most steps for ~2% more tau and decoded 4-7% slower; in float32 there,
+# where rows are nearly free, it did not (session 18: `python scripts/compare_lookup.py`,
+# docs/bench/HISTORY.md).
+DEFAULT_LOOKUP = {"entmtp": (4, 1), "lookup": (8, 1)}
 
 
 class CLIError(Exception):
@@ -79,13 +81,19 @@ def method_heads(method: str, args) -> str | None:
     return {"medusa": "medusa", "hydra": "hydra", "hydra++": "hydra++", "entmtp": "hydra++", "dynamic": "hydra++"}[method]
 
 
-def method_lookup(method: str, args=None) -> dict:
+def method_lookup(method: str, args=None, engine=None, heads: str | None = None) -> dict:
     """A method's prompt-lookup fields of `DecodeConfig` ({"lookup": chain length, "lookup_min_ngram":
-    shortest grafted n-gram}): --lookup / --lookup-min-ngram for every method with heads, else its
-    defaults; baseline never looks up."""
+    shortest grafted n-gram}): --lookup / --lookup-min-ngram for every method with heads, else what
+    the method's `heads` on `engine` record for its dtype and hardware, else `DEFAULT_LOOKUP`;
+    baseline never looks up."""
+    from .scheduler import recorded_default
+
     if method == "baseline":
         return {"lookup": 0, "lookup_min_ngram": 1}
     length, min_ngram = DEFAULT_LOOKUP.get(method, (0, 1))
+    recorded = recorded_default(engine, heads, "default_lookup_min_ngram") if engine is not None and heads else None
+    if isinstance(recorded, int) and 1 <= recorded <= 3:
+        min_ngram = recorded
     given, given_min = getattr(args, "lookup", None), getattr(args, "lookup_min_ngram", None)
     if given is not None and method != "lookup":
         length = given
@@ -96,8 +104,8 @@ def method_lookup(method: str, args=None) -> dict:
 
 def add_lookup_min_ngram_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-min-ngram", type=int, default=None, metavar="N", choices=range(1, 4),
-                   help="graft a context copy only after a match of at least N tokens (1-3); default: "
-                        + ", ".join(f"{k} {v[1]}" for k, v in DEFAULT_LOOKUP.items()))
+                   help="graft a context copy only after a match of at least N tokens (1-3); default: what "
+                        "the heads record for this dtype and hardware, else 1")
 
 
 def load_engine_for(args, methods: list[str]):
@@ -194,7 +202,7 @@ def cmd_generate(args) -> int:
     sched = build_scheduler(engine, heads_name, args) if heads_name else None
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.top_p, args.top_k),
                        rule=args.rule, stop_strings=tuple(args.stop), seed=args.seed,
-                       trace="full" if args.json else "summary", **method_lookup(args.method, args))
+                       trace="full" if args.json else "summary", **method_lookup(args.method, args, engine, heads_name))
     ids = render_user_prompt(engine, args.prompt, args.raw)
     t0 = time.perf_counter()
     gen = engine.generate(ids, heads=heads_name, scheduler=sched, config=cfg)

@@ -559,7 +559,7 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
         n_new = int(min(max(int(max_new_tokens or 1), 1), CHAT_MAX_NEW_TOKENS))
         temp = float(temperature or 0.0)
         cfg = DecodeConfig(max_new_tokens=n_new, sampling=Sampling(max(temp, 0.0), float(top_p or 1.0)),
-                           trace="full", **method_lookup(method))
+                           trace="full", **method_lookup(method, engine=engine, heads=heads))
         if cfg.lookup:
             label += " + prompt lookup"
         msgs = history_messages(history) + [{"role": "user", "content": text}]
@@ -781,7 +781,7 @@ def race(prompt, model_key, max_new_tokens):
                 row["label"] = lab if method != "baseline" else "baseline (ours)"
                 if notes:
                     row["note"] = "; ".join(notes)
-                lookup = method_lookup(method)
+                lookup = method_lookup(method, engine=engine, heads=heads)
                 if lookup["lookup"]:
                     row["label"] += " + prompt lookup"
                 gen = engine.generate(ids, heads=heads, scheduler=sched, config=dataclasses.replace(cfg, **lookup))
@@ -833,7 +833,7 @@ def _warm_up_methods(entry: LoadedModel, ids: list[int]) -> None:
             heads, sched, _ = build_decoding(entry, method, DEFAULT_TREE, "static", None, [])
         except AppError:
             continue
-        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3, **method_lookup(method)))
+        engine.run(ids, heads=heads, scheduler=sched, config=DecodeConfig(max_new_tokens=3, **method_lookup(method, engine=engine, heads=heads)))
     entry.warm = True
 
 

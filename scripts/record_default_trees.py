@@ -7,6 +7,10 @@ With `--dtype float32 --tag fp32 --kinds hydrapp`: `<name>-fp32-b64.json` / `<na
 become `meta.default_tree_float32` / `meta.default_bank_float32` (used when the base runs in float32).
 With `--hardware cpu-avx2` as well: `meta.default_tree_float32@cpu-avx2` (used only on CPUs of that
 class, `entmtp.hardware.hardware_class`; `--hardware here` = this machine's class).
+With `--lookup-min-ngram K` (and --dtype / --hardware): records only the shortest context match that
+grafts a prompt-lookup branch for methods using these heads (`meta.default_lookup_min_ngram...`;
+measure it first with scripts/compare_lookup.py). Session 18:
+`python scripts/record_default_trees.py --kinds hydrapp --dtype bfloat16 --hardware cpu-avx2 --lookup-min-ngram 2`.
 """
 
 import argparse
@@ -29,6 +33,8 @@ def main() -> int:
                     help="record for this hardware class only (needs --dtype), e.g. cpu-avx2; 'here' = this machine's")
     ap.add_argument("--tag", default="", help="tag in the tree file names, e.g. fp32 for <name>-fp32-b64.json")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: medusa,hydra,hydrapp")
+    ap.add_argument("--lookup-min-ngram", type=int, default=None, choices=(1, 2, 3),
+                    help="record only this shortest grafted lookup match (no trees)")
     args = ap.parse_args()
     key_suffix = f"_{args.dtype}" if args.dtype else ""
     if args.hardware:
@@ -47,6 +53,15 @@ def main() -> int:
             print(f"error: unknown kind {suffix!r} (medusa, hydra, hydrapp)", file=sys.stderr)
             return 2
         cfg_path = Path(args.heads_dir) / f"{args.name}-{suffix}" / "config.json"
+        if args.lookup_min_ngram is not None:
+            if not cfg_path.is_file():
+                print(f"error: missing {cfg_path}", file=sys.stderr)
+                return 2
+            cfg = json.loads(cfg_path.read_text())
+            cfg.setdefault("meta", {})[f"default_lookup_min_ngram{key_suffix}"] = args.lookup_min_ngram
+            cfg_path.write_text(json.dumps(cfg, indent=1) + "\n")
+            print(f"{cfg_path}: default_lookup_min_ngram{key_suffix} {args.lookup_min_ngram}")
+            continue
         tree = f"{args.name}-{suffix}{tag}-b{args.budget}.json"
         bank = f"{args.name}-{suffix}{tag}-bank.json"
         missing = [p for p in (cfg_path, Path(args.trees_dir) / tree, Path(args.trees_dir) / bank) if not p.is_file()]

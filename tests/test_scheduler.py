@@ -163,3 +163,26 @@ def test_recorded_defaults_are_chosen_per_dtype():
     assert recorded_default(eng, "hydra", "default_tree") == "binary_2x2.json"  # another class's tree is not used
     with pytest.raises(TreeError, match="no entropy bank"):
         default_bank_path(eng, "hydra")  # recorded, but the file does not exist
+
+
+def test_lookup_min_ngram_is_recorded_per_dtype_and_hardware():
+    """The shortest grafted lookup match comes from the heads' meta for this dtype and hardware
+    class (like their trees), else the method's default; flags override; baseline never looks up."""
+    import argparse
+
+    from entmtp.cli import DEFAULT_LOOKUP, method_lookup
+    from entmtp.hardware import hardware_class
+
+    m = tiny_model("llama", vocab=VOCAB, seed=7)
+    heads = random_heads(m, "hydra", num_heads=4, seed=1)
+    eng = Engine(m, None, {"hydra": heads})
+    here = hardware_class("cpu")
+    heads.meta = {"default_lookup_min_ngram_float32@cpu-other": 3}
+    assert method_lookup("entmtp", None, eng, "hydra") == {"lookup": DEFAULT_LOOKUP["entmtp"][0], "lookup_min_ngram": 1}
+    heads.meta[f"default_lookup_min_ngram_float32@{here}"] = 2  # the engine is float32, on this class
+    assert method_lookup("entmtp", None, eng, "hydra")["lookup_min_ngram"] == 2
+    assert method_lookup("entmtp", None, None, "hydra")["lookup_min_ngram"] == 1  # no engine: nothing recorded
+    flags = argparse.Namespace(lookup=6, lookup_min_ngram=3)
+    assert method_lookup("entmtp", flags, eng, "hydra") == {"lookup": 6, "lookup_min_ngram": 3}
+    assert method_lookup("hydra", argparse.Namespace(lookup=None, lookup_min_ngram=None), eng, "hydra")["lookup"] == 0
+    assert method_lookup("baseline", flags, eng, "hydra") == {"lookup": 0, "lookup_min_ngram": 1}
