@@ -100,6 +100,10 @@ if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_cl
   python scripts/race_trees.py --heads hydra++ --stats runs/search-hydrapp-bf16-avx2 --dtype bfloat16 \
     --max-nodes 5 --max-depth 3 --min-nodes 3 --trees trees/smollm2-135m-hydrapp-bf16-avx2-b64.json --prompts 24 \
     --save trees/smollm2-135m-hydrapp-bf16-avx2-race.json --record
+  #  session 18: entmtp's lookup branch in bf16 here grafts only after matches of >= 2 tokens
+  #  (a tree row is dear; measured against 1 and 3 on held-out calibration prompts)
+  python scripts/compare_lookup.py --data runs/calib_prompts.jsonl --n 24 --seed 18 --variants 0,4:1,4:2,4:3
+  python scripts/record_default_trees.py --kinds hydrapp --dtype bfloat16 --hardware cpu-avx2 --lookup-min-ngram 2
 fi
 
 # 4. benchmarks on the held-out bench set
