@@ -92,7 +92,9 @@ def method_lookup(method: str, args=None, engine=None, heads: str | None = None)
         return {"lookup": 0, "lookup_min_ngram": 1}
     length, min_ngram = DEFAULT_LOOKUP.get(method, (0, 1))
     recorded = recorded_default(engine, heads, "default_lookup_min_ngram") if engine is not None and heads else None
-    if isinstance(recorded, int) and 1 <= recorded <= 3:
+    if recorded is not None:
+        if type(recorded) is not int or not 1 <= recorded <= 3:
+            raise ValueError(f"the {heads} heads record default_lookup_min_ngram {recorded!r}; it must be 1, 2 or 3")
         min_ngram = recorded
     given, given_min = getattr(args, "lookup", None), getattr(args, "lookup_min_ngram", None)
     if given is not None and method != "lookup":

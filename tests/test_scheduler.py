@@ -186,3 +186,6 @@ def test_lookup_min_ngram_is_recorded_per_dtype_and_hardware():
     assert method_lookup("entmtp", flags, eng, "hydra") == {"lookup": 6, "lookup_min_ngram": 3}
     assert method_lookup("hydra", argparse.Namespace(lookup=None, lookup_min_ngram=None), eng, "hydra")["lookup"] == 0
     assert method_lookup("baseline", flags, eng, "hydra") == {"lookup": 0, "lookup_min_ngram": 1}
+    heads.meta[f"default_lookup_min_ngram_float32@{here}"] = "2"  # a malformed checkpoint is an error, not ignored
+    with pytest.raises(ValueError, match="default_lookup_min_ngram '2'"):
+        method_lookup("entmtp", None, eng, "hydra")
