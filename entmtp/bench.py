@@ -310,7 +310,7 @@ def take_per_category(prompts, k: int) -> list:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_lookup_min_ngram_argument, add_model_args
+    from .cli import DEFAULT_LOOKUP, add_lookup_min_ngram_argument, add_model_args
 
     add_model_args(p)
     p.add_argument("--prompts", default=None, help="prompt file (any format the loader reads); default: the bundled bench set")
@@ -324,7 +324,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt-lookup chain length for every method with heads (default: entmtp 4, lookup 8, others 0)")
+                   help="prompt-lookup chain length for every method with heads (default: "
+                        + ", ".join(f"{k} {v[0]}" for k, v in DEFAULT_LOOKUP.items()) + ", others 0)")
     add_lookup_min_ngram_argument(p)
     p.add_argument("--out", default="runs/bench")
 
