@@ -4,4 +4,9 @@ Medusa, Hydra and Hydra++ draft heads, lossless tree verification on any Hugging
 causal LM, entropy-aware tree scheduling, a topology lab and a Gradio app.
 """
 
+from .threads import configure_wait_policy
+
+# before any entmtp module imports torch (OpenMP reads the policy once, when torch loads it)
+configure_wait_policy()
+
 __version__ = "0.1.0"

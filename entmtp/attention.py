@@ -1,6 +1,6 @@
-"""Float32 attention for bf16 models on CPUs without AVX-512 (AVX2: no bf16 instructions).
+"""Float32 attention for bf16 models, part of entmtp's own kernel set (`kernels.decode_model("panels")`).
 
-On such a CPU torch's bf16 `scaled_dot_product_attention` runs a slow path: one query over 300
+On a CPU without AVX-512 torch's bf16 `scaled_dot_product_attention` runs a slow path: one query over 300
 cached keys of SmolLM2-135M's layer (9 heads, 3 key/value heads) took 409 us, against 108 us for
 casting query, keys and values to float32, attending there (grouped-query, no repeated keys) and
 casting the result back; 9 tree rows 346 vs 220 us; one query over 1000 keys 735 vs 152 us
@@ -27,18 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hardware import cpu_isa
-
 FP32_SDPA = "entmtp_fp32_sdpa"  # the attention implementation name registered with transformers
-
-
-def fp32_attention_wanted(dtype: torch.dtype, device) -> bool:
-    """Whether attention over `dtype` tensors on `device` is faster in float32: bf16 on a CPU
-    without AVX-512 (measured on AVX2; AVX-512 CPUs, with or without bf16 instructions, keep
-    torch's kernel), unless ENTMTP_FP32_ATTENTION=0."""
-    if os.environ.get("ENTMTP_FP32_ATTENTION", "1") == "0":
-        return False
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_isa().startswith(("amx", "avx512"))
 
 
 def _float32_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -114,5 +103,5 @@ def use_fp32_attention(twin: nn.Module, config) -> None:
             mod.__dict__["config"] = pairs[id(held)]
 
 
-__all__ = ["FP32_SDPA", "fp32_attention_wanted", "fp32_sdpa", "fp32_sdpa_attention", "register_fp32_sdpa",
+__all__ = ["FP32_SDPA", "fp32_sdpa", "fp32_sdpa_attention", "register_fp32_sdpa",
            "use_fp32_attention"]

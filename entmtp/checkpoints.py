@@ -140,6 +140,7 @@ def _load_ours(d: Path, raw: dict) -> DraftHeads:
     heads = DraftHeads(cfg)
     load_state_strict(heads, state, str(d / WEIGHTS_FILE))
     heads.meta = raw.get("meta", {})
+    heads.source_dir = d  # where shipped acceptance statistics (ACCEPTANCE_FILE) are looked up
     return heads.eval()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,11 +58,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large base across GPUs (accelerate)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "packed", "stock"],
-                   help="our decoding's linear kernels: packed = weights prepacked for oneDNN on CPU (faster; "
-                        "bf16 bit-identical to stock, fp32 within rounding, 1e-5 relative); auto = packed where "
-                        "the probes pass (CPU, bfloat16 or float32), else stock; stock = transformers' kernels")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = measured on this machine, or ENTMTP_THREADS)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "packed", "stock", "onednn", "panels"],
+                   help="our decoding's kernels: auto = measured on this machine once (the fastest row-invariant set "
+                        "no slower than stock, else the fastest; `entmtp tune` shows it); stock = transformers'; "
+                        "onednn = linears prepacked for oneDNN; panels = entmtp's own row-invariant bf16 kernels; "
+                        "packed = the first packed set available")
 
 
 HYDRA_FAMILY = ("hydra++", "hydra")  # best first: entmtp and dynamic use the best one available
@@ -120,6 +122,7 @@ def load_engine_for(args, methods: list[str]):
     from .models import load_engine
 
     if args.threads:
+        os.environ["ENTMTP_THREADS"] = str(args.threads)  # the engine's tuning keeps it instead of measuring
         torch.set_num_threads(args.threads)
     base = args.base or args.model
     if args.heads:
@@ -135,11 +138,17 @@ def load_engine_for(args, methods: list[str]):
 
 
 def default_tree(engine, heads_name: str):
-    """The heads' calibrated tree when one is recorded, else mc_sim_7b_63 cut to the heads' depth."""
+    """The tree chosen for these heads on this machine (`autotune.tuned_trees`: shipped acceptance
+    statistics scored with latencies measured here, cached), else the tree the heads record, else
+    mc_sim_7b_63 cut to the heads' depth."""
+    from .autotune import tuned_trees
     from .scheduler import recorded_default
     from .trees import TREES_DIR, resolve_tree
 
     runner = engine.runners[heads_name]
+    tuned = tuned_trees(engine, heads_name, progress=lambda s: print(s, file=sys.stderr))
+    if tuned is not None:
+        return tuned.tree.truncated(runner.config.num_heads)
     name = recorded_default(engine, heads_name, "default_tree")
     if name and (TREES_DIR / name).is_file():
         return resolve_tree(str(TREES_DIR / name)).truncated(runner.config.num_heads)
@@ -189,10 +198,12 @@ def build_scheduler(engine, heads_name, args):
     name = getattr(args, "scheduler", None) or {"entmtp": "entropy", "dynamic": "dynamic"}.get(method, "static")
     if name == "static":
         return sched.Scheduler(tree)
-    make = getattr(sched, "make_scheduler", None)
-    if make is None:
-        raise CLIError(f"scheduler {name!r} is not available in this version (only 'static')")
-    return make(name, engine=engine, heads=heads_name, tree=tree, bank=args.bank)
+    bank = args.bank
+    if bank is None and name == "entropy":
+        from .autotune import bank_file
+
+        bank = bank_file(engine, heads_name)  # tuned on this machine; None: the bank the heads record
+    return sched.make_scheduler(name, engine=engine, heads=heads_name, tree=tree, bank=bank)
 
 
 def cmd_generate(args) -> int:
@@ -241,12 +252,38 @@ def cmd_generate(args) -> int:
 
 # ---- entry point -------------------------------------------------------------------------------
 
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--methods", default="medusa,hydra,hydra++", help="heads to choose trees for (comma separated)")
+    p.add_argument("--refresh", action="store_true", help="measure again instead of reading this machine's cached profile")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+def cmd_tune(args) -> int:
+    """measure this machine once: fastest lossless kernels, threads, step latency and trees per heads"""
+    from .autotune import format_profile, machine_profile
+
+    if args.refresh:
+        os.environ["ENTMTP_TUNE"] = "refresh"
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise CLIError(f"unknown method {unknown[0]!r} (choose from {', '.join(METHODS)})")
+    engine = load_engine_for(args, methods)
+    profile = machine_profile(engine, progress=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(profile, indent=1) if args.json else format_profile(profile))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="entmtp", description="Tree speculative decoding with Medusa / Hydra / Hydra++ heads.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer and print per-step statistics")
     add_generate_args(g)
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("tune", help="measure this machine once: kernels, threads, latency and trees (cached)")
+    add_tune_args(t)
+    t.set_defaults(func=cmd_tune)
     try:
         from . import train
     except ImportError:

@@ -23,6 +23,7 @@ import torch
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .heads import DraftHeads, HeadRunner
 from .kernels import decode_model
+from .tuning import apply_threads, kernel_profile
 from .kvcache import decoding_cache
 from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
@@ -83,14 +84,21 @@ class Engine:
                  screened_head: bool = True, kernels: str = "auto"):
         """screened_head: on a CPU with bf16 units, verify float32 greedy steps with the exact
         screened lm_head (`verify.ScreenedGreedyHead`) where it applies to this model.
-        kernels: "auto" | "packed" | "stock": decode with a twin of the model whose linears
-        are prepacked for oneDNN (`kernels.decode_model`: bf16 bit-identical, fp32 within
-        rounding; faster on CPU); `self.model`
-        itself stays stock (transformers' `generate`, training and calibration use it)."""
+        kernels: the decoding twin's kernel set (`kernels.KERNELS`): "auto" = measured on this
+        machine once and cached (`tuning.kernel_profile`: the fastest row-invariant set no slower
+        than stock, else the fastest); `self.model` itself stays stock (transformers'
+        `generate`, training and calibration use it)."""
         check_tree_support(model)
         self.model = model.eval()
-        self.kernels_policy = kernels
-        self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, kernels)
+        self.kernel_profile = kernel_profile(model) if kernels == "auto" else None
+        if self.kernel_profile is not None and self.device_type(model) == "cpu":
+            apply_threads(self.kernel_profile)  # process-wide: the measured count (ENTMTP_THREADS overrides)
+        chosen = self.kernel_profile.choice if self.kernel_profile is not None else kernels
+        self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, chosen)
+        if self.kernel_profile is not None:
+            self.kernels_reason = f"{self.kernels_reason}; {self.kernel_profile.why}"
+        # tree rows computed exactly as one-row steps: greedy speculation = the plain loop's tokens
+        self.row_invariant = bool(self.kernel_profile.row_invariant) if self.kernel_profile is not None else None
         self.tokenizer = tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -100,6 +108,10 @@ class Engine:
         for name, h in (heads or {}).items():
             self.add_heads(name, h)
 
+    @staticmethod
+    def device_type(model) -> str:
+        return next(model.parameters()).device.type
+
     def add_heads(self, name: str, heads: DraftHeads) -> None:
         cfg = heads.config
         emb = self.model.get_input_embeddings().weight
@@ -107,7 +119,7 @@ class Engine:
             raise ValueError(f"heads {name!r} were built for hidden size {cfg.hidden_size}, the model has {emb.shape[1]}")
         if cfg.vocab_size != self.model.get_output_embeddings().weight.shape[0]:
             raise ValueError(f"heads {name!r} were built for vocab size {cfg.vocab_size}, the model has {self.model.get_output_embeddings().weight.shape[0]}")
-        self.runners[name] = HeadRunner(heads, self.model, kernels=self.kernels_policy)
+        self.runners[name] = HeadRunner(heads, self.model, kernels=self.kernels)
 
     def eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []

@@ -1,26 +1,33 @@
-"""What the decoding hardware is, in the terms tree calibration needs.
+"""What the decoding hardware is: its instruction set, as kernel dispatch sees it, and a fingerprint.
 
-A draft tree is chosen by expected tokens/s = tau / step time, and step time depends on the
-matrix units and kernels far more than on the model: on an AVX-512-BF16 CPU a bf16 forward over
-a 5-row tree costs about one 1-row step (SmolLM2-135M); on an AVX2-only CPU (no bf16 instructions,
-oneDNN refuses bf16) torch's own bf16 path made it 2.6 one-row steps and a 33-row tree 14, entmtp's
-AVX2 panel kernels (`entmtp.kernels`) 1.2 and 3.1 (`scripts/step_rows.py`).
-A tree calibrated on one class of CPU can thus be slower than plain decoding on another, so
-calibrated trees and banks are recorded per hardware class (`hardware_class`) and looked up
-by it (`entmtp.scheduler.recorded_default`).
+Nothing here decides which kernels or trees pay: that is measured on each machine
+(`entmtp.tuning`). This module only says which kernels *can* run (`cpu_isa`) and names the
+machine a measurement belongs to (`fingerprint`).
+
+`ENTMTP_ISA=generic|avx2|avx512|avx512_bf16|amx` makes dispatch behave as on a CPU of that
+class, so every branch runs (and is tested) on any machine: it can take capabilities away, never
+add ones the CPU lacks (asking for more than the CPU has is capped at what it has).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import platform
 
 import torch
 
+from .threads import default_threads
+
+ISA_ORDER = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # each implies the ones before it
+
 
 @functools.lru_cache(maxsize=None)
-def cpu_isa() -> str:
-    """The CPU's widest matrix instructions torch uses: amx, avx512_bf16, avx512, avx2, or
-    torch's own name for others (lower case, e.g. default, sve256)."""
+def native_isa() -> str:
+    """The CPU's widest instructions torch's kernels use: amx, avx512_bf16, avx512, avx2, or
+    generic (anything else: older x86, ARM, ...)."""
     cpu = getattr(torch, "cpu", None)
     try:
         if cpu._is_amx_tile_supported():
@@ -29,12 +36,30 @@ def cpu_isa() -> str:
             return "avx512_bf16"
     except AttributeError:
         pass
-    return torch.backends.cpu.get_cpu_capability().lower()
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return cap if cap in ISA_ORDER else "generic"
+
+
+def cpu_isa() -> str:
+    """The instruction set kernel dispatch assumes: `native_isa`, capped by ENTMTP_ISA when set.
+    Raises ValueError for an unknown ENTMTP_ISA."""
+    native = native_isa()
+    want = os.environ.get("ENTMTP_ISA", "").strip().lower()
+    if not want:
+        return native
+    if want not in ISA_ORDER:
+        raise ValueError(f"ENTMTP_ISA={want!r} is not one of {', '.join(ISA_ORDER)}")
+    return ISA_ORDER[min(ISA_ORDER.index(want), ISA_ORDER.index(native))]
+
+
+def isa_at_least(isa: str) -> bool:
+    """Whether dispatch may use `isa` (an ISA_ORDER name) here."""
+    return ISA_ORDER.index(cpu_isa()) >= ISA_ORDER.index(isa)
 
 
 def fast_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16)."""
-    return cpu_isa() in ("amx", "avx512_bf16")
+    return isa_at_least("avx512_bf16")
 
 
 def hardware_class(device) -> str:
@@ -43,20 +68,37 @@ def hardware_class(device) -> str:
     return f"cpu-{cpu_isa()}" if kind == "cpu" else kind
 
 
-def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | None:
-    """One line for a user decoding in `dtype` on `device` where speculation cannot pay, else None.
+@functools.lru_cache(maxsize=None)
+def _cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform's word for it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
-    On a CPU without bf16 matrix units and without entmtp's AVX2 bf16 kernels (`entmtp.kernels`:
-    no compiler to build them, or no AVX2) torch multiplies bf16 on a slow path whose cost grows
-    with every row: a 1-node tree step took 66 ms against 38 ms for a plain step on our AVX2 CPU
-    (trees/reports/smollm2-135m-hydrapp-bf16-avx2-stock-search.md), while float32 with packed kernels
-    makes a 5-row step cost 1.2 one-row steps."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
-        return None
-    from .kernels import pack_method
 
-    method, why = pack_method(torch.bfloat16)
-    if method is not None:
-        return None
-    return (f"note: this CPU ({hardware_class(device)}) has no fast bf16 kernels ({why}): in bfloat16 a draft tree "
-            f"costs several one-token steps and speculative decoding is slower than plain decoding; {remedy}")
+def fingerprint(device) -> dict:
+    """What a measurement on `device` depends on: the CPU (model, ISA as dispatched, cores, the
+    threads torch starts with, OpenMP's wait policy) or GPU name, and the torch version."""
+    dev = torch.device(device)
+    out = {"device": dev.type, "torch": torch.__version__, "machine": platform.machine()}
+    if dev.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(dev)
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+    else:
+        out.update(cpu=_cpu_model(), isa=cpu_isa(), cores=os.cpu_count(), threads=default_threads(),
+                   wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+    return out
+
+
+def fingerprint_id(device) -> str:
+    """A short stable name for `fingerprint(device)`."""
+    return hashlib.sha256(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:12]
+
+
+__all__ = ["ISA_ORDER", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
+           "fingerprint_id"]

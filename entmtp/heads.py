@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import fp32_attention_wanted, fp32_sdpa
-from .kernels import can_pack, packed_twin, shared_linear
+from .attention import fp32_sdpa
+from .kernels import can_pack, kernel_options, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -452,17 +452,23 @@ class HeadRunner:
         self.lm = None
         if self.lm_weight is not None:
             self.lm = shared_linear(self.lm_weight)
-        # the Hydra++ layer's per-request keys/values and attention in float32 where bf16 attention is
-        # slow; there the layer runs fused on the panel kernels (`FusedPrefixLayer`, probed)
-        self.prefix_dtype = torch.float32 if kernels != "stock" and fp32_attention_wanted(self.dtype, self.device) else None
-        fused = (FusedPrefixLayer,) if self.prefix_dtype is not None else ()
+        # the heads run the engine's kernel set where it can run for their dtype (drafts only: never
+        # what is emitted); with the panels the Hydra++ layer's per-request keys/values and attention
+        # are float32 and the layer runs fused (`FusedPrefixLayer`, probed)
+        opts = kernel_options(self.dtype, self.device)
+        if kernels in ("auto", "packed"):
+            kernels = next((k for k in ("panels", "onednn") if opts[k] is None), "stock")
+        elif opts.get(kernels) is not None:
+            kernels = "onednn" if kernels == "panels" and opts["onednn"] is None else "stock"
+        self.prefix_dtype = torch.float32 if kernels == "panels" else None
+        fused = (FusedPrefixLayer,) if kernels == "panels" else ()
         if kernels != "stock" and can_pack(self.heads) is None:
             try:
-                self.compute = packed_twin(self.heads, fused_extra=fused)
-                self.lm = packed_twin(self.lm) if self.lm is not None else None
-                self.kernels = "packed"
+                self.compute = packed_twin(self.heads, method=kernels, fused_extra=fused)
+                self.lm = packed_twin(self.lm, method=kernels) if self.lm is not None else None
+                self.kernels = kernels
             except ValueError:
-                self.compute, self.kernels = self.heads, "stock"
+                self.compute, self.kernels, self.prefix_dtype = self.heads, "stock", None
 
     @property
     def label(self) -> str:

@@ -55,9 +55,16 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .attention import fp32_attention_wanted, fp32_sdpa_attention, use_fp32_attention
+from .attention import fp32_sdpa_attention, use_fp32_attention
+from .hardware import cpu_isa, isa_at_least
+from .paths import cache_dir
 
-KERNELS = ("auto", "packed", "stock")
+# kernel sets for the decoding twin: "stock" (transformers' own), "onednn" (linears prepacked for
+# oneDNN), "panels" (entmtp's own library: row-invariant bf16 panels, fused norms / MLPs /
+# attention, float32 attention). "auto" = measured per machine (`entmtp.tuning`); "packed" = the
+# first packed set available here (onednn, else panels).
+KERNEL_SETS = ("stock", "onednn", "panels")
+KERNELS = ("auto", "packed") + KERNEL_SETS
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
 
@@ -71,7 +78,7 @@ PANELS_SOURCE = Path(__file__).parent / "csrc" / "bf16_panels.cpp"
 
 
 @functools.lru_cache(maxsize=None)
-def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
+def _onednn_packing_unavailable(dtype: torch.dtype) -> Optional[str]:
     """None when this torch build and CPU can prepack a `dtype` linear, else why not (one line).
 
     Probed once per dtype by packing a small weight: oneDNN's bf16 reorder needs AVX-512
@@ -85,6 +92,15 @@ def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
             return "this CPU has no oneDNN bf16 linear kernels (they need AVX-512 or AVX-NE-CONVERT)"
         return f"oneDNN cannot prepack {str(dtype).removeprefix('torch.')} linears on this CPU"
     return None
+
+
+def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
+    """`_onednn_packing_unavailable`, as on the CPU class ENTMTP_ISA names (`entmtp.hardware`)."""
+    if not isa_at_least("avx2"):
+        return f"oneDNN packing is not used on this CPU class ({cpu_isa()})"
+    if dtype == torch.bfloat16 and not isa_at_least("avx512"):
+        return "this CPU has no oneDNN bf16 linear kernels (they need AVX-512 or AVX-NE-CONVERT)"
+    return _onednn_packing_unavailable(dtype)
 
 
 STALE_BUILD_LOCK_S = 600  # no build of the panel kernels takes this long
@@ -103,7 +119,6 @@ def _clear_stale_build_lock(build: Path, max_age_s: float = STALE_BUILD_LOCK_S) 
     return False
 
 
-@functools.lru_cache(maxsize=None)
 def _panels_unavailable() -> Optional[str]:
     """None when entmtp's AVX2 bf16 panel kernels (csrc/bf16_panels.cpp) are loaded, else why not.
 
@@ -111,14 +126,17 @@ def _panels_unavailable() -> Optional[str]:
     torch version and source; later processes load the built library. ENTMTP_PANELS=0 disables them."""
     if os.environ.get("ENTMTP_PANELS", "1") == "0":
         return "entmtp's bf16 panel kernels are disabled (ENTMTP_PANELS=0)"
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        return f"entmtp's bf16 panel kernels need AVX2 and FMA (torch reports {cap})"
+    if not isa_at_least("avx2"):
+        return f"entmtp's bf16 panel kernels need AVX2 and FMA (this CPU class: {cpu_isa()})"
+    return _build_panels()
+
+
+@functools.lru_cache(maxsize=None)
+def _build_panels() -> Optional[str]:
+    """Load (building once) the panel library; None when loaded, else why not."""
     if _panel_ops_registered():
         return None  # loaded earlier in this process: a second library would register the ops again (abort)
     from torch.utils.cpp_extension import load
-
-    from .models import cache_dir
 
     # one name per source (its hash), so torch's builder never renames a rebuilt library and a
     # process never loads two libraries registering the same ops
@@ -167,18 +185,44 @@ def _panel_ops_registered() -> bool:
         return False
 
 
+def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]:
+    """Each kernel set of KERNEL_SETS -> None when it can run for `dtype` on `device` here, else
+    why not (one line). "stock" always can."""
+    out: dict[str, Optional[str]] = {"stock": None}
+    if torch.device(device).type != "cpu":
+        why = f"packed kernels are for CPU models (this one is on {torch.device(device).type})"
+        return {**out, "onednn": why, "panels": why}
+    if dtype not in PACKABLE:
+        why = f"packed kernels are for bfloat16 and float32 models (this one is {str(dtype).removeprefix('torch.')})"
+        return {**out, "onednn": why, "panels": why}
+    out["onednn"] = _packing_unavailable(dtype)
+    out["panels"] = _panels_unavailable() if dtype == torch.bfloat16 else "entmtp's panel kernels are for bfloat16"
+    return out
+
+
 def pack_method(dtype: torch.dtype) -> tuple[Optional[str], Optional[str]]:
-    """How this CPU packs `dtype` linears: ("onednn", None), ("panels", None) (bf16 without
-    oneDNN bf16 kernels: entmtp's AVX2 kernel), or (None, why not)."""
-    why = _packing_unavailable(dtype)
-    if why is None:
-        return "onednn", None
-    if dtype == torch.bfloat16:
-        why_panels = _panels_unavailable()
-        if why_panels is None:
-            return "panels", None
-        why = f"{why}; {why_panels}"
-    return None, why
+    """The first packed kernel set available for `dtype` on this CPU: ("onednn", None),
+    ("panels", None), or (None, why not)."""
+    opts = kernel_options(dtype)
+    for name in ("onednn", "panels"):
+        if opts[name] is None:
+            return name, None
+    return None, "; ".join(v for k, v in opts.items() if v and (k == "onednn" or dtype == torch.bfloat16))
+
+
+def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | None:
+    """One line for a user decoding in `dtype` on `device` where speculation cannot pay, else None:
+    bf16 on a CPU without bf16 matrix units where neither packed kernel set can run (torch's
+    fallback bf16 path makes a tree step cost several one-token steps)."""
+    from .hardware import fast_bf16_matmul
+
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
+        return None
+    method, why = pack_method(torch.bfloat16)
+    if method is not None:
+        return None
+    return (f"note: this CPU (cpu-{cpu_isa()}) has no fast bf16 kernels ({why}): in bfloat16 a draft tree "
+            f"costs several one-token steps and speculative decoding is slower than plain decoding; {remedy}")
 
 
 def probe_ok(layer: nn.Module, rows: tuple[int, ...] = (1, 7)) -> bool:
@@ -537,19 +581,23 @@ def twin_of(model: nn.Module, replace: Optional[Callable[[nn.Module], Optional[n
     return twin(model)
 
 
-def packed_twin(model: nn.Module, fused_attention: bool = False, fused_extra: tuple[type, ...] = ()) -> nn.Module:
+def packed_twin(model: nn.Module, method: Optional[str] = None, fused_attention: bool = False,
+                fused_extra: tuple[type, ...] = ()) -> nn.Module:
     """A twin of `model` (`twin_of`) whose `nn.Linear` layers of its dtype are `PackedLinear`s
-    (oneDNN) or `PanelLinear`s (entmtp's AVX2 bf16 kernel), all else shared. With the panels,
-    gated MLPs and RMSNorms are fused where their probes pass, and so are attentions when
-    `fused_attention` (only for a model that attends in float32: `FusedAttention` does).
-    `fused_extra`: more fused module classes (with `fits`, `claim`, `matches` and optionally
-    `probe_rows`), tried first, e.g. the Hydra++ layer of draft heads.
-    Raises ValueError (with `can_pack`'s reason, or the first layer whose probe differs)."""
+    (method "onednn") or `PanelLinear`s (method "panels": entmtp's bf16 kernel); method None =
+    the first available (`pack_method`); all else shared. With the panels, gated MLPs and
+    RMSNorms are fused where their probes pass, and so are attentions when `fused_attention`
+    (only for a model that attends in float32: `FusedAttention` does). `fused_extra`: more fused
+    module classes (with `fits`, `claim`, `matches` and optionally `probe_rows`), tried first,
+    e.g. the Hydra++ layer of draft heads.
+    Raises ValueError (with the reason the kernels cannot run, or the first layer whose probe differs)."""
     why = can_pack(model)
+    dtype = next(model.parameters()).dtype if why is None else None
+    if why is None and method is not None:
+        why = kernel_options(dtype).get(method, f"unknown kernel set {method!r}")
     if why:
         raise ValueError(why)
-    dtype = next(model.parameters()).dtype
-    panels = pack_method(dtype)[0] == "panels"
+    panels = (method or pack_method(dtype)[0]) == "panels"
     layer_class = PanelLinear if panels else PackedLinear
 
     def replace(mod: nn.Module) -> Optional[nn.Module]:
@@ -569,54 +617,81 @@ def packed_twin(model: nn.Module, fused_attention: bool = False, fused_extra: tu
     return twin_of(model, replace)
 
 
-def _linears_policy(model: nn.Module, kernels: str, fp32_attention: bool = False) -> tuple[nn.Module, str, str]:
-    """(model or its packed twin, "packed" or "stock", why) for the linears (and, with the panels
-    and `fp32_attention`, the attention modules)."""
-    if kernels == "stock":
-        return model, "stock", "asked for the stock kernels"
-    why = can_pack(model)
-    extra = linear_bytes(model) if why is None and kernels == "auto" else 0
+def preferred_kernels(model: nn.Module) -> str:
+    """The kernel set `auto` takes when nothing was measured (ENTMTP_TUNE=0): the row-invariant
+    panels for bf16 where they run (speculation then emits exactly the plain loop's tokens), else
+    oneDNN's packed linears where they run, else stock. `entmtp.tuning` measures instead."""
+    p = next(model.parameters())
+    opts = kernel_options(p.dtype, p.device)
+    if kernel_bytes_ok(model) is not None:
+        return "stock"
+    return next((k for k in ("panels", "onednn") if opts[k] is None), "stock")
+
+
+def kernel_bytes_ok(model: nn.Module) -> Optional[str]:
+    """None when the packed copies of `model`'s weights fit AUTO_MAX_BYTES, else why not."""
+    extra = linear_bytes(model)
     if extra > AUTO_MAX_BYTES:
-        why = f"the packed copies would need {extra / 2**30:.1f} GiB more memory (auto packs up to {AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels packed)"
-    if why is None:
-        try:
-            twin = packed_twin(model, fused_attention=fp32_attention)
-            if next(model.parameters()).dtype == torch.bfloat16:
-                if pack_method(torch.bfloat16)[0] == "panels":
-                    fused = "attentions, " if any(isinstance(m, FusedAttention) for m in twin.modules()) else ""
-                    return twin, "packed", ("bf16 linears in 16-column panels for entmtp's AVX2 kernel (fp32 "
-                                            "accumulation, within bf16 rounding of stock, probed), "
-                                            f"{fused}RMSNorms and gated MLPs fused")
-                return twin, "packed", "bf16 linears prepacked for oneDNN (bit-identical, probed)"
-            return twin, "packed", ("fp32 linears prepacked for oneDNN (another summation order, within "
-                                    f"{FP32_PROBE_RTOL:g} of stock, probed; greedy identity with generate is measured)")
-        except ValueError as e:
-            why = str(e)
-    if kernels == "packed":
-        raise ValueError(f"cannot use packed kernels: {why}")
-    return model, "stock", why
+        return (f"the packed copies would need {extra / 2**30:.1f} GiB more memory (auto packs up to "
+                f"{AUTO_MAX_BYTES / 2**30:.0f} GiB; use --kernels onednn or panels)")
+    return None
+
+
+KERNEL_WHY = {
+    "stock": "transformers' own kernels",
+    "onednn": "linears prepacked for oneDNN (no per-call weight relayout; bf16 bit-identical to stock, fp32 within "
+              f"{FP32_PROBE_RTOL:g}, probed)",
+    "panels": "entmtp's kernel library: bf16 linears in 16-column panels with fp32 sums (the same summation order "
+              "for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
+}
 
 
 def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
-    """The model to decode with for a `kernels` policy: (model or its twin, "packed" or "stock",
-    why). "auto" packs the linears where the probes pass (bf16 oneDNN: bit-identical; bf16
-    panels: within bf16 rounding; fp32: within FP32_PROBE_RTOL) and the twin's extra memory is
-    at most AUTO_MAX_BYTES, and on an AVX2 CPU (no AVX-512) a bf16 model's sdpa attention runs in
-    float32 (`entmtp.attention`); "packed" insists on the linears (ValueError when it
-    cannot); "stock" changes nothing."""
+    """The model to decode with for a kernel set: (model or its twin, the set's name, why).
+
+    kernels: one of KERNEL_SETS; "packed" = the first packed set available (`pack_method`);
+    "auto" = `preferred_kernels` (the unmeasured order; the engine measures instead, through
+    `entmtp.tuning`). A set that cannot run here raises ValueError when asked for by name;
+    the model itself is never modified."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
+    if kernels == "auto":  # the unmeasured order; a set whose build or probe fails gives way to the next
+        p = next(model.parameters())
+        opts = kernel_options(p.dtype, p.device)
+        refused = [opts[k] for k in ("panels", "onednn") if opts[k]] + [kernel_bytes_ok(model) or ""]
+        first = preferred_kernels(model)
+        for name in dict.fromkeys([first] + [k for k in ("panels", "onednn") if opts[k] is None and first != "stock"]):
+            if name == "stock":
+                break
+            try:
+                return decode_model(model, name)
+            except ValueError as e:
+                refused.append(str(e))
+        why = "; ".join(r for r in dict.fromkeys(refused) if r)
+        return model, "stock", KERNEL_WHY["stock"] + (f" ({why})" if why else "")
+    if kernels == "packed":
+        why = can_pack(model)
+        if why:
+            raise ValueError(f"cannot use packed kernels: {why}")
+        kernels = pack_method(next(model.parameters()).dtype)[0]
+    if kernels == "stock":
+        return model, "stock", KERNEL_WHY["stock"]
     p = next(model.parameters())
-    fp32_attention = kernels != "stock" and getattr(model.config, "_attn_implementation", None) == "sdpa" \
-        and fp32_attention_wanted(p.dtype, p.device)
-    out, label, why = _linears_policy(model, kernels, fp32_attention)
+    why = can_pack(model) or kernel_options(p.dtype, p.device)[kernels]
+    if why:
+        raise ValueError(f"cannot use the {kernels} kernels: {why}")
+    sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    fp32_attention = kernels == "panels" and sdpa
+    try:
+        twin = packed_twin(model, method=kernels, fused_attention=fp32_attention)
+    except ValueError as e:
+        raise ValueError(f"cannot use the {kernels} kernels: {e}") from None
     if fp32_attention:
-        if out is model:
-            out = twin_of(model)
-        use_fp32_attention(out, model.config)
-        why += "; attention in float32 (torch's bf16 sdpa is 3-5x slower on this CPU)"
-    return out, label, why
+        use_fp32_attention(twin, model.config)
+    return twin, kernels, KERNEL_WHY[kernels]
 
 
-__all__ = ["KERNELS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP", "FusedRMSNorm", "pack_method", "shared_linear", "packed_layer", "packed_linear",
-           "can_pack", "linear_bytes", "twin_of", "packed_twin", "decode_model"]
+__all__ = ["KERNELS", "KERNEL_SETS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
+           "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
+           "packed_linear", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
+           "decode_model"]

@@ -25,6 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from .paths import cache_dir
+
 __all__ = [
     "ModelLoadError",
     "cache_dir",
@@ -73,17 +75,6 @@ class ModelLoadError(RuntimeError):
 # --------------------------------------------------------------------------------------
 # cache location
 # --------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """``$ENTMTP_CACHE`` if set, else ``$XDG_CACHE_HOME/entmtp``, else ``~/.cache/entmtp``."""
-    env = os.environ.get("ENTMTP_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "entmtp"
-    return Path.home() / ".cache" / "entmtp"
-
-
 def default_model_dir() -> Path:
     """Where the converted default model lives (it may not exist yet)."""
     return cache_dir() / DEFAULT_MODEL_DIRNAME
@@ -707,7 +698,7 @@ def load_engine(base: str = "default", heads: dict[str, str] | None = None, *, d
     """
     from .checkpoints import load_heads
     from .decoding import Engine
-    from .hardware import dtype_advice
+    from .kernels import dtype_advice
 
     model, tokenizer = load_base(base, dtype=dtype, device=device, device_map=device_map,
                                  attn_implementation=attn_implementation, progress=progress)

@@ -651,7 +651,8 @@ def load_model_ui(model_key, method, state):
 
 
 def model_info_md(entry: LoadedModel) -> str:
-    from .hardware import dtype_advice, hardware_class
+    from .hardware import hardware_class
+    from .kernels import dtype_advice
     from .models import describe_model
 
     d = describe_model(entry.engine.model)

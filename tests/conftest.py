@@ -7,10 +7,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# kernels and trees from the unmeasured defaults, so tests do not depend on this machine's timings;
+# tests of the self-tuning turn it on (tests/test_tuning.py)
+os.environ.setdefault("ENTMTP_TUNE", "0")
 
-import pytest
-import torch
-import transformers
+import entmtp  # noqa: F401,E402 - first: sets OpenMP's wait policy before torch loads OpenMP
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from entmtp.heads import DraftHeads, HeadsConfig
 

@@ -27,11 +27,8 @@ def exact_attention(q, k, v, mask=None, causal=False):
     return torch.softmax(s, -1) @ v
 
 
-@pytest.fixture
-def slow_bf16_cpu(monkeypatch):
-    """Pretend this CPU has no bf16 matrix units (the case the float32 attention is for)."""
-    monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
-    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
+needs_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None,
+                                  reason="entmtp's panel kernels cannot run here (no AVX2 or no compiler)")
 
 
 @pytest.mark.parametrize("rows,keys,masked", [(1, 1, False), (1, 37, False), (5, 41, True), (9, 9, True)])
@@ -63,10 +60,11 @@ def test_prefix_causal_and_bool_masks():
     torch.testing.assert_close(attention.fp32_sdpa(q, k, v, allow), attention.fp32_sdpa(q, k, v, is_causal=True))
 
 
-def test_decode_twin_attends_in_float32_and_leaves_the_model_alone(slow_bf16_cpu):
+@needs_panels
+def test_decode_twin_attends_in_float32_and_leaves_the_model_alone():
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
-    m, label, why = kernels.decode_model(model, "auto")
-    assert m is not model and "attention in float32" in why
+    m, label, why = kernels.decode_model(model, "panels")
+    assert m is not model and label == "panels" and "attention in float32" in why
     assert model.config._attn_implementation == "sdpa"  # transformers' generate keeps its attention
     assert m.config._attn_implementation == attention.FP32_SDPA
     impls = {mod.config._attn_implementation for mod in m.modules() if "config" in mod.__dict__}
@@ -84,25 +82,22 @@ def test_decode_twin_attends_in_float32_and_leaves_the_model_alone(slow_bf16_cpu
     assert (twin - ref).abs().max() <= (stock - ref).abs().max() * 1.5
 
 
-def test_fp32_attention_is_off_where_not_wanted(slow_bf16_cpu, monkeypatch):
+def test_fp32_attention_only_in_the_panels_set_of_an_sdpa_model(monkeypatch):
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
     assert kernels.decode_model(model, "stock")[0] is model
-    eager = tiny_model("llama", vocab=96, dtype=torch.bfloat16, attn="eager")
-    m, _, why = kernels.decode_model(eager, "auto")
-    assert m.config._attn_implementation == "eager" and "attention" not in why
     fp32 = tiny_model("llama", vocab=96)
     assert kernels.decode_model(fp32, "auto")[0].config._attn_implementation == "sdpa"
-    monkeypatch.setenv("ENTMTP_FP32_ATTENTION", "0")
-    m, _, why = kernels.decode_model(model, "auto")
-    assert m.config._attn_implementation == "sdpa" and "attention" not in why
-    monkeypatch.delenv("ENTMTP_FP32_ATTENTION")
-    for isa in ("amx", "avx512_bf16", "avx512"):  # AVX-512 CPUs keep torch's kernel (bf16 units: fast)
-        monkeypatch.setattr(attention, "cpu_isa", lambda isa=isa: isa)
-        assert kernels.decode_model(model, "auto")[0].config._attn_implementation == "sdpa"
-    assert attention.fp32_attention_wanted(torch.bfloat16, "cuda") is False
+    if kernels.kernel_options(torch.bfloat16)["onednn"] is None:  # oneDNN's set keeps torch's attention
+        m, label, why = kernels.decode_model(model, "onednn")
+        assert label == "onednn" and m.config._attn_implementation == "sdpa" and "attention" not in why
+    if kernels.kernel_options(torch.bfloat16)["panels"] is None:
+        eager = tiny_model("llama", vocab=96, dtype=torch.bfloat16, attn="eager")
+        m, _, _ = kernels.decode_model(eager, "panels")
+        assert m.config._attn_implementation == "eager"  # an eager model keeps its attention
 
 
-def test_engine_with_float32_attention_decodes_like_the_stock_engine(slow_bf16_cpu):
+@needs_panels
+def test_engine_with_float32_attention_decodes_like_the_stock_engine():
     """Trees (explicit masks), one-row steps and the prompt (causal, no mask) all run through the
     float32 attention, the Hydra++ prefix layer too; speculation emits exactly the engine's own
     greedy tokens, and those are the stock engine's up to the first bf16 near-tie."""
@@ -110,14 +105,14 @@ def test_engine_with_float32_attention_decodes_like_the_stock_engine(slow_bf16_c
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # margins far above bf16 rounding
     heads = {"hydra++": random_heads(model, "hydra", num_heads=4, prefix=True)}
-    fast, stock = Engine(model, None, heads), Engine(model, None, heads, kernels="stock")
+    fast, stock = Engine(model, None, heads, kernels="panels"), Engine(model, None, heads, kernels="stock")
     assert fast.decode_model.config._attn_implementation == attention.FP32_SDPA
     assert fast.runners["hydra++"].prefix_dtype == torch.float32 and stock.runners["hydra++"].prefix_dtype is None
     # every model attention is a fused one (its own float32 attention op) where the panels are, else
     # transformers' attention module running the float32 attention function; count their row counts
     attns = [layer.self_attn for layer in fast.decode_model.model.layers]
-    fused = kernels._panels_unavailable() is None
-    assert all(isinstance(a, kernels.FusedAttention) == fused for a in attns)
+    fused = True
+    assert all(isinstance(a, kernels.FusedAttention) for a in attns)
     calls = []
     hooks = [a.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["hidden_states"].shape[1]), with_kwargs=True)
              for a in attns]

@@ -14,10 +14,10 @@ from entmtp.trees import resolve_tree
 
 bf16_model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
 # the bit-identity tests need oneDNN's bf16 kernels (AVX-512 / AMX CPUs)
-needs_pack = pytest.mark.skipif(kernels.pack_method(torch.bfloat16)[0] != "onednn",
-                                reason=f"no oneDNN bf16 kernels here: {kernels._packing_unavailable(torch.bfloat16)}")
-needs_panels = pytest.mark.skipif(kernels._panels_unavailable() is not None,
-                                  reason=f"no bf16 panel kernels here: {kernels._panels_unavailable()}")
+needs_pack = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["onednn"] is not None,
+                                reason=f"no oneDNN bf16 kernels here: {kernels.kernel_options(torch.bfloat16)['onednn']}")
+needs_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None,
+                                  reason=f"no bf16 panel kernels here: {kernels.kernel_options(torch.bfloat16)['panels']}")
 
 
 fp32_model = tiny_model("llama", vocab=96)
@@ -31,15 +31,15 @@ def test_float32_twin_is_within_rounding_and_decodes_like_generate():
     greedy decoding (plain and with a tree) gives generate's tokens."""
     model = tiny_model("llama", vocab=96, seed=5)
     m, name, why = kernels.decode_model(model, "auto")
-    assert name == "packed" and m is not model and "fp32" in why
+    assert name == "onednn" and m is not model and "fp32" in why
     assert {p.data_ptr() for p in m.parameters()} == {p.data_ptr() for p in model.parameters()}
     ids = torch.randint(2, 96, (1, 13))
     with torch.inference_mode():
         a, b = model(ids).logits, m(ids).logits
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
     heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
-    eng = Engine(model, None, heads)
-    assert (eng.kernels, eng.runners["hydra"].kernels) == ("packed", "packed")
+    eng = Engine(model, None, heads, kernels="onednn")
+    assert (eng.kernels, eng.runners["hydra"].kernels) == ("onednn", "onednn")
     tree = resolve_tree("mc_sim_7b_63").truncated(4)
     cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
     for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
@@ -57,7 +57,7 @@ def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
     exact_here = kernels.probe_ok(kernels.PackedLinear(fp32_model.lm_head))
     m, name, why = kernels.decode_model(fp32_model, "auto")
     if exact_here:  # this CPU's oneDNN happens to sum like F.linear: nothing to refuse
-        assert name == "packed"
+        assert name == "onednn"
     else:
         assert m is fp32_model and name == "stock" and "within 0 of F.linear" in why
 
@@ -80,7 +80,7 @@ def test_packed_linear_equals_linear_bitwise(shape, bias):
 @needs_pack
 def test_twin_is_exact_shares_weights_and_leaves_the_model_alone():
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=3)
-    twin = kernels.packed_twin(model)
+    twin = kernels.packed_twin(model, method="onednn")
     assert all(type(m) is not kernels.PackedLinear for m in model.modules())  # the model is stock
     n_lin = sum(type(m) is nn.Linear for m in model.modules())
     assert n_lin > 0 and sum(type(m) is kernels.PackedLinear for m in twin.modules()) == n_lin
@@ -118,7 +118,7 @@ def test_a_cpu_without_bf16_reorder_falls_back_with_a_reason(monkeypatch):
     def no_bf16(w):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
 
-    kernels._packing_unavailable.cache_clear()
+    kernels._onednn_packing_unavailable.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
     monkeypatch.setattr(kernels, "_panels_unavailable", lambda: "no compiler here")
     try:
@@ -130,20 +130,17 @@ def test_a_cpu_without_bf16_reorder_falls_back_with_a_reason(monkeypatch):
             kernels.decode_model(bf16_model, "packed")
         assert kernels.packed_layer(bf16_model.lm_head.weight) is None
     finally:
-        kernels._packing_unavailable.cache_clear()
+        kernels._onednn_packing_unavailable.cache_clear()
 
 
 @needs_panels
 def test_a_cpu_without_onednn_bf16_uses_the_panels(monkeypatch):
-    """Where oneDNN refuses bf16 (AVX2 CPUs), auto decodes on entmtp's panel kernels instead."""
-    kernels._packing_unavailable.cache_clear()
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
-    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
-    monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
+    """Where oneDNN refuses bf16 (AVX2 CPUs: ENTMTP_ISA=avx2), auto decodes on entmtp's panel kernels."""
+    monkeypatch.setenv("ENTMTP_ISA", "avx2")
     try:
         assert kernels.pack_method(torch.bfloat16) == ("panels", None)
         m, name, why = kernels.decode_model(bf16_model, "auto")
-        assert name == "packed" and "panels" in why and m is not bf16_model
+        assert name == "panels" and "panels" in why and m is not bf16_model
         count = lambda model, cls: sum(type(x).__name__ == cls for x in model.modules())  # noqa: E731
         n_lin, n_mlp, n_attn = count(bf16_model, "Linear"), count(bf16_model, "LlamaMLP"), count(bf16_model, "LlamaAttention")
         # attentions (float32 on AVX2), gated MLPs and RMSNorms fused, every other linear on the panels
@@ -152,26 +149,42 @@ def test_a_cpu_without_onednn_bf16_uses_the_panels(monkeypatch):
         assert count(m, "PanelLinear") == n_lin - 3 * n_mlp - 4 * n_attn == 1 and count(m, "Linear") == 0
         assert isinstance(kernels.packed_layer(bf16_model.lm_head.weight), kernels.PanelLinear)
     finally:
-        kernels._packing_unavailable.cache_clear()
+        pass
 
 
 def test_panels_can_be_switched_off(monkeypatch):
-    kernels._panels_unavailable.cache_clear()
     monkeypatch.setenv("ENTMTP_PANELS", "0")
-    try:
-        assert "ENTMTP_PANELS=0" in kernels._panels_unavailable()
-    finally:
-        kernels._panels_unavailable.cache_clear()
+    assert "ENTMTP_PANELS=0" in kernels._panels_unavailable()
+    assert kernels.kernel_options(torch.bfloat16)["panels"] == kernels._panels_unavailable()
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_the_isa_switch_dispatches_as_on_another_cpu_class(isa, monkeypatch):
+    """ENTMTP_ISA takes capabilities away: generic runs stock only, avx2 no oneDNN bf16; never more
+    than the CPU has; an unknown name is a clear error."""
+    from entmtp import hardware
+
+    monkeypatch.setenv("ENTMTP_ISA", isa)
+    assert hardware.cpu_isa() in hardware.ISA_ORDER[:hardware.ISA_ORDER.index(isa) + 1]
+    opts = kernels.kernel_options(torch.bfloat16)
+    if hardware.cpu_isa() == "generic":
+        assert opts["onednn"] and opts["panels"] and kernels.decode_model(bf16_model, "auto")[1] == "stock"
+    elif hardware.cpu_isa() == "avx2":
+        assert "AVX-512" in opts["onednn"]
+        assert kernels.decode_model(bf16_model, "auto")[1] == ("panels" if opts["panels"] is None else "stock")
+    monkeypatch.setenv("ENTMTP_ISA", "sse9")
+    with pytest.raises(ValueError, match="ENTMTP_ISA='sse9' is not one of"):
+        hardware.cpu_isa()
 
 
 @needs_pack
 def test_auto_packs_small_bf16_models_and_respects_the_memory_cap(monkeypatch):
     m, name, _ = kernels.decode_model(bf16_model, "auto")
-    assert name == "packed" and m is not bf16_model
+    assert name in ("panels", "onednn") and m is not bf16_model
     monkeypatch.setattr(kernels, "AUTO_MAX_BYTES", kernels.linear_bytes(bf16_model) - 1)
     m, name, why = kernels.decode_model(bf16_model, "auto")
-    assert m is bf16_model and name == "stock" and "--kernels packed" in why
-    assert kernels.decode_model(bf16_model, "packed")[1] == "packed"  # asked for: packs anyway
+    assert m is bf16_model and name == "stock" and "--kernels onednn or panels" in why
+    assert kernels.decode_model(bf16_model, "onednn")[1] == "onednn"  # asked for: packs anyway
 
 
 @needs_pack
@@ -183,8 +196,8 @@ def test_engine_decodes_like_the_stock_engine_with_either_kernels(lookup):
     the other way on another CPU)."""
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
     heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
-    packed, stock = Engine(model, None, heads, kernels="packed"), Engine(model, None, heads, kernels="stock")
-    assert (packed.kernels, stock.kernels) == ("packed", "stock") and stock.decode_model is model
+    packed, stock = Engine(model, None, heads, kernels="onednn"), Engine(model, None, heads, kernels="stock")
+    assert (packed.kernels, stock.kernels) == ("onednn", "stock") and stock.decode_model is model
     tree = resolve_tree("mc_sim_7b_63").truncated(4)
     assert_lossless_and_near_stock(packed, stock, model, "hydra", tree, lookup=lookup)
     assert_lossless_and_near_stock(stock, stock, model, "hydra", tree, lookup=lookup)
@@ -197,8 +210,8 @@ def test_packed_heads_draft_the_same_tokens(kind, prefix):
 
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=7)
     heads = random_heads(model, kind, num_heads=3, prefix=prefix)
-    packed, stock = HeadRunner(heads, model, kernels="auto"), HeadRunner(heads, model, kernels="stock")
-    assert (packed.kernels, stock.kernels) == ("packed", "stock")
+    packed, stock = HeadRunner(heads, model, kernels="onednn"), HeadRunner(heads, model, kernels="stock")
+    assert (packed.kernels, stock.kernels) == ("onednn", "stock")
     assert all(type(m) is not kernels.PackedLinear for m in heads.modules())  # the heads stay stock
     tree = resolve_tree("mc_sim_7b_63").truncated(3)
     hidden = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
@@ -349,12 +362,7 @@ def test_only_modules_that_compute_the_fused_formula_are_replaced(monkeypatch):
     model.model.norm = OnePlusRMSNorm(32)
     model.model.layers[1].mlp.act_fn = nn.GELU()
     assert kernels.FusedRMSNorm.fits(model.model.norm) and not kernels.FusedMLP.fits(model.model.layers[1].mlp)
-    kernels._packing_unavailable.cache_clear()
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
-    try:
-        twin = kernels.packed_twin(model)
-    finally:
-        kernels._packing_unavailable.cache_clear()
+    twin = kernels.packed_twin(model, method="panels")
     assert type(twin.model.norm) is OnePlusRMSNorm and twin.model.norm is not model.model.norm
     assert type(twin.model.layers[0].mlp).__name__ == "FusedMLP"
     assert type(twin.model.layers[1].mlp).__name__ == "LlamaMLP"
@@ -405,15 +413,13 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
     fused norms and MLPs, float32 attention; drafting heads too) is lossless: speculation emits
     exactly its own greedy tokens, and those are the stock engine's up to the first bf16
     near-tie of the stock logits."""
-    kernels._packing_unavailable.cache_clear()
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
     try:
         model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)  # margins far above bf16 rounding, mostly
         heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
-        panels, stock = Engine(model, None, heads, kernels="packed"), Engine(model, None, heads, kernels="stock")
-        assert (panels.kernels, panels.runners["hydra"].kernels) == ("packed", "packed")
+        panels, stock = Engine(model, None, heads, kernels="panels"), Engine(model, None, heads, kernels="stock")
+        assert (panels.kernels, panels.runners["hydra"].kernels) == ("panels", "panels")
         assert "panels" in panels.kernels_reason
         ids = torch.randint(2, 96, (1, 13))
         with torch.inference_mode():
@@ -421,7 +427,7 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
         assert (a.float() - b.float()).abs().max() <= 0.02 * a.float().abs().max()
         assert_lossless_and_near_stock(panels, stock, model, "hydra", resolve_tree("mc_sim_7b_63").truncated(4))
     finally:
-        kernels._packing_unavailable.cache_clear()
+        pass
 
 
 def test_a_stale_build_lock_is_cleared_a_fresh_one_kept(tmp_path):
@@ -448,17 +454,17 @@ def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
         pytest.skip("the panels are not tried on this CPU")
     available = kernels._panels_unavailable() is None
     monkeypatch.setattr(kernels, "_panel_ops_registered", lambda: False)  # try the build even if loaded
-    kernels._panels_unavailable.cache_clear()
+    kernels._build_panels.cache_clear()
     try:
         why = kernels._panels_unavailable()
         assert why.startswith("entmtp's bf16 panel kernels could not be built here (") and "\n" not in why
     finally:
-        kernels._panels_unavailable.cache_clear()
+        kernels._build_panels.cache_clear()
         monkeypatch.undo()
     # asking again in the same process neither rebuilds nor loads a second library registering the
     # same ops (that aborts the process): the loaded ops are reused
     assert (kernels._panels_unavailable() is None) == available
-    kernels._panels_unavailable.cache_clear()
+    kernels._build_panels.cache_clear()
     assert (kernels._panels_unavailable() is None) == available
 
 
@@ -533,13 +539,9 @@ def test_fused_attention_is_the_attention_up_to_rounding(family):
 
 @pytest.fixture
 def panels_only(monkeypatch):
-    """The panel kernels even on a CPU with oneDNN's bf16 kernels, and float32 attention (AVX2)."""
-    kernels._packing_unavailable.cache_clear()
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: (_ for _ in ()).throw(RuntimeError("no bf16")))
-    monkeypatch.setattr(attention, "cpu_isa", lambda: "avx2")
-    monkeypatch.delenv("ENTMTP_FP32_ATTENTION", raising=False)
+    """The panel kernels even on a CPU with oneDNN's bf16 kernels (dispatch as on an AVX2 CPU)."""
+    monkeypatch.setenv("ENTMTP_ISA", "avx2")
     yield
-    kernels._packing_unavailable.cache_clear()
 
 
 class DoubledAttention(torch.nn.Module):
@@ -583,9 +585,8 @@ def test_fused_attention_only_where_attention_runs_in_float32(panels_only, monke
     model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
     count = lambda m: sum(isinstance(x, kernels.FusedAttention) for x in m.modules())  # noqa: E731
     assert count(kernels.decode_model(model, "auto")[0]) == 2
-    monkeypatch.setenv("ENTMTP_FP32_ATTENTION", "0")
-    twin, _, why = kernels.decode_model(model, "auto")
-    assert count(twin) == 0 and "attentions" not in why
+    eager = tiny_model("llama", vocab=96, dtype=torch.bfloat16, attn="eager")
+    assert count(kernels.decode_model(eager, "panels")[0]) == 0  # an eager model attends as it does
     assert count(kernels.decode_model(model, "stock")[0]) == 0
 
 
@@ -661,5 +662,5 @@ def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, mon
         bad = FusedPrefixLayer(layer)
         bad.down = torch.ops.entmtp_cpu.bf16_pack_panels(heads.prefix.down_proj.weight.detach())
         assert not kernels.probe_ok(bad, rows=(2, 7))
-    monkeypatch.setenv("ENTMTP_FP32_ATTENTION", "0")  # bf16 attention: the layer's own path
-    assert not isinstance(HeadRunner(heads, model, kernels="auto").compute.prefix, FusedPrefixLayer)
+    # oneDNN's set (or stock) keeps the layer's own bf16 path
+    assert not isinstance(HeadRunner(heads, model, kernels="onednn").compute.prefix, FusedPrefixLayer)

@@ -1,0 +1,236 @@
+"""Draft trees and entropy banks chosen on this machine: the heads' shipped acceptance statistics
+(which nodes the base accepts: a property of model and heads, not of the machine) scored with
+step latencies measured here, by the topology lab's own scoring (`search.search_trees`,
+`bank.fit_entropy_bank`). Measured once per (machine, kernels, model shapes, dtype, heads) and
+cached beside the kernel profile (`entmtp.tuning`).
+
+Why: a tree's speed is tau / step time, and step time by tree size differs by machine far more
+than tau does: on a CPU whose 8-row step costs 1.6 one-row steps a 4-node tree wins, on a GPU
+where 64 rows cost one, a 60-node tree. A table of trees recorded per machine class is right only
+on the machines it was recorded on; this measures.
+
+`ENTMTP_TUNE=0` skips it: the trees the heads record (`default_tree...`) or the papers' tree.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .bank import fit_entropy_bank
+from .calibrate import CalibrationStats, LatencyModel, measure_latency
+from .hardware import fingerprint_id
+from .paths import cache_dir
+from .scheduler import EntropyBucketScheduler, load_bank
+from .search import search_trees
+from .trees import Tree
+from .tuning import model_key
+
+ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
+TREES_FORMAT = "entmtp-tuned-trees/1"
+CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+CUDA_SIZES = CPU_SIZES + (48, 64, 96, 128)
+
+
+@dataclass
+class TunedTrees:
+    """One heads' static tree and entropy bank for this machine, with the figures behind them."""
+
+    heads: str
+    tree: Tree
+    predicted_tau: float
+    predicted_speedup: float  # over plain decoding on the same kernels, by the latency model
+    latency: LatencyModel
+    bank: Optional[EntropyBucketScheduler] = None
+    bank_speedup: Optional[float] = None
+    why: str = ""
+    stats_steps: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format": TREES_FORMAT, "heads": self.heads, "tree": [list(p) for p in self.tree.paths],
+                "tree_name": self.tree.name, "predicted_tau": self.predicted_tau,
+                "predicted_speedup": self.predicted_speedup, "latency": self.latency.to_json(),
+                "bank": self.bank.to_json() if self.bank is not None else None, "bank_speedup": self.bank_speedup,
+                "why": self.why, "stats_steps": self.stats_steps, "meta": self.meta}
+
+    @staticmethod
+    def from_json(d: dict) -> "TunedTrees":
+        if d.get("format") != TREES_FORMAT:
+            raise ValueError("not an entmtp tuned-trees file")
+        bank = None
+        if d.get("bank"):
+            b = d["bank"]
+            bank = EntropyBucketScheduler({n: Tree.from_paths(p, n) for n, p in b["trees"].items()}, b["edges"],
+                                          b["table"], b.get("draft_edges"), b.get("meta"))
+        return TunedTrees(d["heads"], Tree.from_paths(d["tree"], d.get("tree_name", "tuned")), float(d["predicted_tau"]),
+                          float(d["predicted_speedup"]), LatencyModel.from_json(d["latency"]), bank,
+                          d.get("bank_speedup"), d.get("why", ""), int(d.get("stats_steps", 0)), d.get("meta") or {})
+
+    def summary(self) -> str:
+        bank = f"; entropy bank {self.bank_speedup:.2f}x" if self.bank_speedup else ""
+        return (f"{self.heads}: {self.tree.name} ({self.tree.n_nodes} nodes, depth {self.tree.depth}), predicted tau "
+                f"{self.predicted_tau:.2f}, {self.predicted_speedup:.2f}x plain decoding{bank}")
+
+
+def shipped_stats(runner) -> Optional[CalibrationStats]:
+    """The acceptance statistics shipped in the heads' directory, or None."""
+    d = getattr(runner.heads, "source_dir", None)
+    path = Path(d) / ACCEPTANCE_FILE if d else None
+    if path is None or not path.is_file():
+        return None
+    with gzip.open(path, "rt") as f:
+        return CalibrationStats.from_json(json.load(f), str(path))
+
+
+def _heads_id(runner) -> str:
+    cfg = json.dumps(runner.config.to_dict(), sort_keys=True, default=str)
+    created = str((getattr(runner.heads, "meta", {}) or {}).get("created", ""))
+    return hashlib.sha256((cfg + created).encode()).hexdigest()[:10]
+
+
+def trees_path(engine, heads: str) -> Path:
+    """`cache_dir()/tuning/<machine>/trees-<model>-<dtype>-<kernels>-<heads>-<id>.json`."""
+    key = model_key(engine.model)
+    label = heads.replace("+", "p")
+    name = f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-{_heads_id(engine.runners[heads])}.json"
+    return cache_dir() / "tuning" / fingerprint_id(engine.device) / name
+
+
+def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,
+               progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
+    """Measure step latency here for trees of each size and depth, then choose the static tree of
+    highest predicted tokens/s and fit the entropy bank, from `stats` (default: shipped with the
+    heads). None when there are no statistics."""
+    runner = engine.runners[heads]
+    stats = stats if stats is not None else shipped_stats(runner)
+    if stats is None or not stats.records:
+        return None
+    K = min(runner.config.num_heads, stats.depth)
+    sizes = CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES
+    if progress:
+        progress(f"tuning: step latency of {heads} trees on this machine")
+    latency = measure_latency(engine, heads, max_nodes=max(sizes), sizes=sizes, depths=range(1, K + 1),
+                              repeats=repeats, context_tokens=96)
+    cands = search_trees(stats, [max(sizes)], latency, depths=range(1, K + 1))
+    best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
+    tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}")
+    why = (f"highest predicted tokens/s of {len(cands)} trees searched from {stats.n_steps} shipped acceptance "
+           f"records: tau {best.predicted_tau:.2f} at {best.step_cost_s * 1e3:.1f} ms a step "
+           f"(plain step {latency.baseline_s * 1e3:.1f} ms)")
+    out = TunedTrees(heads, tree, float(best.predicted_tau), float(best.predicted_speedup), latency, why=why,
+                     stats_steps=stats.n_steps, meta={"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    pool = sorted({c.tree.key(): c for c in cands if c.predicted_speedup > 0}.values(),
+                  key=lambda c: -c.predicted_tokens_per_s)[:24]
+    if any(r.root_entropy == r.root_entropy for r in stats.records):  # some finite entropies
+        trees = [Tree(c.tree.paths, f"tuned-{heads}-n{c.n_nodes}-d{c.depth}") for c in pool]
+        try:
+            bank, report = fit_entropy_bank(stats, trees, latency)
+            out.bank = bank
+            out.bank_speedup = float(report["predicted_tokens_per_s"]) * latency.baseline_s
+        except ValueError:
+            pass  # too few records: no bank, the static tree serves
+    return out
+
+
+def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
+    """The cached `tune_trees` result for (machine, engine, heads), measured when missing.
+    None when ENTMTP_TUNE=0 or the heads ship no statistics."""
+    mode = os.environ.get("ENTMTP_TUNE", "1").strip().lower()
+    if mode in ("0", "off", "false", "no") or heads not in engine.runners:
+        return None
+    path = trees_path(engine, heads)
+    if mode != "refresh" and path.is_file():
+        try:
+            return TunedTrees.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
+            pass
+    with torch.inference_mode():
+        out = tune_trees(engine, heads, progress=progress)
+    if out is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(out.to_json(), indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # read-only cache: the choice still holds in this process
+    return out
+
+
+def bank_file(engine, heads: str) -> Optional[Path]:
+    """A file holding the tuned entropy bank (for code that loads banks by path), or None."""
+    t = tuned_trees(engine, heads)
+    if t is None or t.bank is None:
+        return None
+    path = trees_path(engine, heads).with_suffix(".bank.json")
+    if not path.is_file():
+        t.bank.save(path)
+    return path
+
+
+__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "tuned_trees", "trees_path", "bank_file",
+           "load_bank"]
+
+
+def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:
+    """Everything tuned for `engine` on this machine, as one JSON-able dict: fingerprint, the
+    kernel trials and choice, threads, and per loaded heads the tuned tree, bank and latency curve."""
+    prof = engine.kernel_profile
+    out = {"fingerprint": prof.fingerprint if prof else None, "dtype": str(engine.dtype).removeprefix("torch."),
+           "device": str(engine.device), "kernels": engine.kernels, "kernels_why": engine.kernels_reason,
+           "row_invariant": engine.row_invariant, "threads": torch.get_num_threads() if engine.device.type == "cpu" else None,
+           "kernel_trials": [t.to_json() for t in prof.trials] if prof else [], "probe_s": prof.probe_s if prof else 0.0,
+           "cache_file": prof.cache_file if prof else None, "heads": {}}
+    for name in engine.runners:
+        t = tuned_trees(engine, name, progress=progress)
+        if t is None:
+            out["heads"][name] = None
+            continue
+        curve = {str(n): round(s * 1e3, 2) for n, s in sorted(t.latency.points.get(1, []))}
+        out["heads"][name] = {"tree": t.tree.name, "nodes": t.tree.n_nodes, "depth": t.tree.depth,
+                              "paths": [list(p) for p in t.tree.paths], "predicted_tau": round(t.predicted_tau, 3),
+                              "predicted_speedup": round(t.predicted_speedup, 3), "bank_speedup": t.bank_speedup,
+                              "plain_step_ms": round(t.latency.baseline_s * 1e3, 2), "step_ms_by_nodes_depth1": curve,
+                              "why": t.why}
+    return out
+
+
+def format_profile(p: dict) -> str:
+    """`machine_profile` as text for a terminal (markdown tables)."""
+    fp = p.get("fingerprint") or {}
+    what = fp.get("gpu") or f"{fp.get('cpu', '?')} ({fp.get('isa', '?')}, {fp.get('cores', '?')} cores)"
+    lines = [f"machine: {what}; torch {fp.get('torch', torch.__version__)}; {p['dtype']} on {p['device']}",
+             f"kernels: {p['kernels']} -- {p['kernels_why']}",
+             "lossless: " + ("tree rows are bitwise one-row steps: speculation emits exactly the plain loop's tokens"
+                             if p["row_invariant"] else "not row-invariant here: speculation matches plain decoding up "
+                             "to rounding (identity is measured by `entmtp bench`)"),
+             f"threads: {p['threads']}" if p.get("threads") else "", "",
+             "| kernel set | runs here | 1 row | 2 | 4 | 8 | 16 | 32 | row-invariant |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for t in p["kernel_trials"]:
+        ms = t.get("ms_by_rows", {})
+        cells = " | ".join(f"{float(ms[str(r)]):.1f}" if str(r) in ms else "-" for r in (1, 2, 4, 8, 16, 32))
+        inv = t.get("invariant_rows") or {}
+        lines.append(f"| {t['name']} | {'yes' if t['ran'] else 'no: ' + t['why']} | {cells} | "
+                     f"{'-' if not inv else ('yes' if all(inv.values()) else 'no')} |")
+    lines.append("\n(ms per forward of a chain of that many tree rows after 96 cached tokens)\n")
+    for name, h in p["heads"].items():
+        if h is None:
+            lines.append(f"{name}: no shipped acceptance statistics (the heads' recorded tree is used)")
+            continue
+        bank = f"; entropy bank {h['bank_speedup']:.2f}x" if h.get("bank_speedup") else ""
+        lines.append(f"{name}: tree {h['nodes']} nodes, depth {h['depth']}, predicted tau {h['predicted_tau']:.2f}, "
+                     f"{h['predicted_speedup']:.2f}x plain decoding{bank} -- {h['why']}")
+    return "\n".join(x for x in lines if x is not None)
+
+
+__all__ += ["machine_profile", "format_profile"]

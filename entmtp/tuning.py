@@ -1,0 +1,326 @@
+"""Which kernels decode fastest on this machine, and whether they are row-invariant: measured once
+per (machine, model shapes, dtype, device) and cached.
+
+A recorded table of "what paid on the machines we had" is wrong on the next machine: oneDNN's
+bf16 linears are bit-identical to a one-row product up to 32 rows on one CPU and not on another,
+torch's bf16 attention drifts from 8 tree rows on an AMX Xeon, MKL's float32 GEMM beats oneDNN's
+prepacked one there and loses on an AVX2 EPYC. So at first load a short probe (`probe_kernels`,
+a few seconds for a 135M model) runs every kernel set that can run here (`kernels.KERNEL_SETS`)
+and measures, on the real model with random tokens after a cached context:
+
+* the step latency for 1, 2, 4, ... tree rows (`ms_by_rows`);
+* row invariance, bitwise: the logits of a chain of R rows verified in one forward against R
+  one-row steps. Where they are equal, tree verification computes exactly what the plain loop
+  computes, so greedy speculation emits exactly the plain loop's tokens.
+
+The choice (`choose`): among the row-invariant sets whose one-row step is no slower than stock,
+the fastest for draft trees; where none is, the fastest set, and the engine says speculation
+matches plain decoding up to rounding (its identity rate is measured, not claimed).
+
+`ENTMTP_TUNE=0` skips the probe (the unmeasured order, `kernels.preferred_kernels`);
+`ENTMTP_TUNE=refresh` measures again. Profiles live in `cache_dir()/tuning/<machine>/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .hardware import fingerprint, fingerprint_id
+from .kernels import KERNEL_SETS, can_pack, decode_model, kernel_bytes_ok, kernel_options, preferred_kernels
+from .kvcache import decoding_cache
+from .paths import cache_dir
+from .threads import default_threads, threads_override
+from .verify import forward, tree_mask
+
+PROFILE_FORMAT = "entmtp-kernel-profile/1"
+NOT_SLOWER = 1.05  # a set's one-row step may cost this much of stock's and still count as "not slower" (timing noise)
+CPU_ROWS = (1, 2, 4, 8, 16, 32)
+CUDA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class KernelTrial:
+    """One kernel set measured on one model: latency per row count (median ms) and row invariance."""
+
+    name: str
+    why: str = ""  # what the set is, or why it cannot run here
+    ran: bool = False
+    ms_by_rows: dict[int, float] = field(default_factory=dict)
+    invariant_rows: dict[int, bool] = field(default_factory=dict)  # R -> R-row chain == R one-row steps, bitwise
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.ran and bool(self.invariant_rows) and all(self.invariant_rows.values())
+
+    def tree_ms(self) -> float:
+        """The cost the choice ranks by: a one-row step plus an 8-row tree step (or the widest measured below it)."""
+        rows = [r for r in self.ms_by_rows if r <= 8]
+        return self.ms_by_rows[1] + self.ms_by_rows[max(rows)]
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ms_by_rows"] = {str(k): round(v, 3) for k, v in self.ms_by_rows.items()}
+        d["invariant_rows"] = {str(k): v for k, v in self.invariant_rows.items()}
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "KernelTrial":
+        return KernelTrial(d["name"], d.get("why", ""), bool(d.get("ran")),
+                           {int(k): float(v) for k, v in d.get("ms_by_rows", {}).items()},
+                           {int(k): bool(v) for k, v in d.get("invariant_rows", {}).items()})
+
+
+@dataclass
+class KernelProfile:
+    """What the probe measured for one (machine, model shapes, dtype, device) and what it chose."""
+
+    choice: str
+    why: str
+    row_invariant: bool  # the chosen set's tree rows are bitwise one-row steps
+    trials: list[KernelTrial]
+    fingerprint: dict
+    model_key: dict
+    threads: Optional[int] = None  # CPU: torch threads that decode fastest with the chosen set (None: not measured)
+    threads_ms: dict[int, float] = field(default_factory=dict)  # threads -> the chosen set's tree_ms
+    created: str = ""
+    probe_s: float = 0.0
+    measured: bool = True  # False: ENTMTP_TUNE=0 (nothing measured)
+    cache_file: Optional[str] = None
+
+    def trial(self, name: str) -> Optional[KernelTrial]:
+        return next((t for t in self.trials if t.name == name), None)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("choice", "why", "row_invariant", "fingerprint", "model_key", "threads",
+                                           "created", "probe_s", "measured")}
+        d["threads_ms"] = {str(k): round(v, 3) for k, v in self.threads_ms.items()}
+        return {"format": PROFILE_FORMAT, **d, "trials": [t.to_json() for t in self.trials]}
+
+    @staticmethod
+    def from_json(d: dict) -> "KernelProfile":
+        if d.get("format") != PROFILE_FORMAT:
+            raise ValueError("not an entmtp kernel profile")
+        return KernelProfile(d["choice"], d["why"], bool(d["row_invariant"]), [KernelTrial.from_json(t) for t in d["trials"]],
+                             d["fingerprint"], d["model_key"], d.get("threads"),
+                             {int(k): float(v) for k, v in (d.get("threads_ms") or {}).items()},
+                             d.get("created", ""), float(d.get("probe_s", 0.0)), bool(d.get("measured", True)))
+
+    def summary(self) -> str:
+        """One line: the chosen set, whether it is lossless, and its 1-row and 8-row step."""
+        t = self.trial(self.choice)
+        lat = ""
+        if t is not None and t.ms_by_rows:
+            lat = ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in t.ms_by_rows.items() if r in (1, 8))
+            lat = f" ({lat})"
+        exact = "row-invariant: speculation emits exactly the plain loop's tokens" if self.row_invariant else \
+            "not row-invariant: speculation matches plain decoding up to rounding"
+        threads = f"; {self.threads} CPU thread{'s' if self.threads != 1 else ''}" if self.threads else ""
+        return f"kernels {self.choice}{lat}{threads}; {exact}"
+
+
+def model_key(model) -> dict:
+    """What the kernels' speed and invariance depend on: the architecture's shapes (the config
+    without names and paths), dtype and device, not the weights."""
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "entmtp_info"):
+        cfg.pop(k, None)
+    p = next(model.parameters())
+    return {"architecture": type(model).__name__, "config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str)
+                                                                           .encode()).hexdigest()[:16],
+            "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+
+
+def profile_path(model) -> Path:
+    """`cache_dir()/tuning/<machine fingerprint>/<architecture>-<dtype>-<device>-<config hash>.json`."""
+    key = model_key(model)
+    dev = torch.device(key["device"])
+    name = f"{key['architecture']}-{key['dtype']}-{dev.type}-{key['config']}.json"
+    return cache_dir() / "tuning" / fingerprint_id(dev) / name
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _chain_mask(rows: int, past: int, dtype, device) -> Optional[torch.Tensor]:
+    """The additive mask of a chain-shaped tree of `rows` rows after `past` cached positions."""
+    if rows == 1:
+        return None
+    bias = torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return tree_mask(bias, past)
+
+
+@torch.inference_mode()
+def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int = 96, repeats: int = 5,
+                check_rows: tuple[int, ...] = (4, 16), seed: int = 0) -> KernelTrial:
+    """Build `model`'s decoding twin for kernel set `name` and measure it (see the module doc).
+    A set that cannot run here comes back with ran=False and the reason."""
+    try:
+        twin, _, why = decode_model(model, name)
+    except ValueError as e:
+        return KernelTrial(name, str(e))
+    dev = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(dev)  # noqa: E731
+    trial = KernelTrial(name, why, True)
+    cache = decoding_cache(twin)
+    forward(twin, rand(context), cache)
+    past = context
+    for r in rows:
+        ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
+        mask = _chain_mask(r, past, model.dtype, dev)
+        times = []
+        for k in range(repeats + 1):  # the first untimed: per-shape kernel set-up
+            _sync(dev)
+            t = time.perf_counter()
+            forward(twin, ids, cache, mask=mask, position_ids=pos)
+            _sync(dev)
+            if k:
+                times.append(time.perf_counter() - t)
+            cache.crop(-r)
+        trial.ms_by_rows[r] = statistics.median(times) * 1e3
+    for r in check_rows:
+        ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
+        tree_logits, _ = forward(twin, ids, cache, mask=_chain_mask(r, past, model.dtype, dev), position_ids=pos)
+        cache.crop(-r)
+        one = [forward(twin, ids[:, i:i + 1], cache, position_ids=pos[:, i:i + 1])[0][0] for i in range(r)]
+        cache.crop(-r)
+        trial.invariant_rows[r] = bool(torch.equal(tree_logits, torch.stack(one)))
+    return trial
+
+
+def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
+    """(kernel set, why, row invariant) from measured trials (see the module doc)."""
+    ran = [t for t in trials if t.ran and t.ms_by_rows]
+    stock = next((t for t in ran if t.name == "stock"), None)
+    if not ran:
+        return "stock", "no kernel set could be measured; transformers' own kernels", False
+    limit = stock.ms_by_rows[1] * NOT_SLOWER if stock is not None else float("inf")
+    exact = [t for t in ran if t.row_invariant and t.ms_by_rows[1] <= limit]
+    pick = min(exact or ran, key=KernelTrial.tree_ms)
+    one, tree = pick.ms_by_rows[1], pick.tree_ms() - pick.ms_by_rows[1]
+    versus = ""
+    if stock is not None and pick is not stock:
+        versus = f" (stock: {stock.ms_by_rows[1]:.1f} ms and {stock.tree_ms() - stock.ms_by_rows[1]:.1f} ms)"
+    if exact:
+        why = (f"fastest row-invariant set no slower than stock: {one:.1f} ms a one-row step, {tree:.1f} ms an "
+               f"8-row tree{versus}")
+    else:
+        why = (f"no set here is row-invariant and no slower than stock, so the fastest: {one:.1f} ms a one-row step, "
+               f"{tree:.1f} ms an 8-row tree{versus}")
+    return pick.name, why, pick.row_invariant
+
+
+def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optional[Callable[[str], object]] = None,
+                  **kw) -> KernelProfile:
+    """Measure every kernel set of `sets` (default: every one that can run here) on `model` and
+    choose; on a CPU also the thread count (`measure_threads`), unless ENTMTP_THREADS fixes it."""
+    t0 = time.perf_counter()
+    p = next(model.parameters())
+    opts = kernel_options(p.dtype, p.device)
+    too_big = kernel_bytes_ok(model) if can_pack(model) is None else None
+    if "rows" not in kw:
+        kw["rows"] = CUDA_ROWS if p.device.type == "cuda" else CPU_ROWS
+    cpu = p.device.type == "cpu"
+    before = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(threads_override() or default_threads())
+    try:
+        trials = []
+        for name in sets or KERNEL_SETS:
+            why = opts.get(name) or (too_big if name != "stock" else None)
+            if why:
+                trials.append(KernelTrial(name, why))
+                continue
+            if progress:
+                progress(f"tuning: measuring the {name} kernels")
+            trials.append(measure_set(model, name, **kw))
+        choice, why, invariant = choose(trials)
+        threads, threads_ms = None, {}
+        if cpu and threads_override() is None and default_threads() > 1:
+            if progress:
+                progress("tuning: measuring CPU threads")
+            threads, threads_ms = measure_threads(model, choice, next(t for t in trials if t.name == choice))
+    finally:
+        torch.set_num_threads(before)
+    return KernelProfile(choice, why, invariant, trials, fingerprint(p.device), model_key(model), threads=threads,
+                         threads_ms=threads_ms, created=time.strftime("%Y-%m-%dT%H:%M:%S"), probe_s=time.perf_counter() - t0)
+
+
+def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int, float]]:
+    """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count (as
+    `trial` measured it) against one thread. Small models decode in thousands of short parallel
+    regions a second; their synchronisation can cost more than a second core gives."""
+    n = torch.get_num_threads()
+    out = {n: trial.tree_ms()}
+    torch.set_num_threads(1)
+    try:
+        out[1] = measure_set(model, name, rows=(1, 8), check_rows=()).tree_ms()
+    finally:
+        torch.set_num_threads(n)
+    # more threads only where they are clearly faster: one thread also survives a busy neighbour core
+    best = 1 if out[1] <= out[n] * NOT_SLOWER else n
+    return best, out
+
+
+def apply_threads(profile: KernelProfile) -> Optional[int]:
+    """Set torch's CPU threads to ENTMTP_THREADS, else to the profile's measured count. Returns
+    the count set (None: left as it is)."""
+    n = threads_override() or profile.threads
+    if n:
+        torch.set_num_threads(n)
+    return n
+
+
+def unmeasured_profile(model) -> KernelProfile:
+    """ENTMTP_TUNE=0: the unmeasured order, nothing timed (invariance is not claimed: unknown)."""
+    p = next(model.parameters())
+    name = preferred_kernels(model)
+    return KernelProfile(name, "not measured (ENTMTP_TUNE=0): the default order", False, [], fingerprint(p.device),
+                         model_key(model), created=time.strftime("%Y-%m-%dT%H:%M:%S"), measured=False)
+
+
+def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) -> KernelProfile:
+    """This machine's kernel profile for `model`: read from the cache, else measured and cached.
+    ENTMTP_TUNE=0: not measured; ENTMTP_TUNE=refresh: measured again."""
+    mode = os.environ.get("ENTMTP_TUNE", "1").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return unmeasured_profile(model)
+    path = profile_path(model)
+    if mode != "refresh" and path.is_file():
+        try:
+            prof = KernelProfile.from_json(json.loads(path.read_text()))
+            opts = kernel_options(model.dtype if hasattr(model, "dtype") else next(model.parameters()).dtype,
+                                  next(model.parameters()).device)
+            if opts.get(prof.choice) is None:  # still runnable (a kernel build may have gone)
+                prof.cache_file = str(path)
+                return prof
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
+            pass  # unreadable: measure again
+    prof = probe_kernels(model, progress=progress)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(prof.to_json(), indent=1))
+        os.replace(tmp, path)
+        prof.cache_file = str(path)
+    except OSError as e:  # a read-only home: the profile still holds for this process
+        prof.why += f" (not cached: {e.strerror or e})"
+    return prof
+
+
+__all__ = ["KernelTrial", "KernelProfile", "model_key", "profile_path", "measure_set", "choose", "probe_kernels",
+           "unmeasured_profile", "kernel_profile", "measure_threads", "apply_threads"]

@@ -1,0 +1,134 @@
+"""Self-tuning at load: kernel sets measured (latency by rows, bitwise row invariance), the choice
+rule, the per-machine cache, and trees chosen from acceptance statistics with measured latency."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_heads, tiny_model
+from entmtp import autotune, kernels, tuning
+from entmtp.calibrate import collect_stats
+from entmtp.decoding import DecodeConfig, Engine
+from entmtp.tuning import KernelTrial, choose
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tuning_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_TUNE", "1")
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def trial(name, one, eight, invariant):
+    return KernelTrial(name, "", True, {1: one, 8: eight}, {4: invariant, 16: invariant})
+
+
+def test_choice_prefers_row_invariant_sets_no_slower_than_stock():
+    stock, fast, exact = trial("stock", 40, 60, False), trial("onednn", 30, 35, False), trial("panels", 20, 30, True)
+    assert choose([stock, fast, exact])[::2] == ("panels", True)
+    slow_exact = trial("panels", 45, 50, True)  # invariant but its one-row step loses to stock: not taken
+    name, why, inv = choose([stock, fast, slow_exact])
+    assert (name, inv) == ("onednn", False) and "no set here is row-invariant" in why
+    assert choose([stock])[0] == "stock"
+    assert choose([KernelTrial("panels", "cannot run")])[0] == "stock"  # nothing measured: stock
+
+
+def test_probe_measures_every_set_that_runs_and_checks_invariance_bitwise():
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=2)
+    prof = tuning.probe_kernels(model, rows=(1, 2, 8), repeats=2, check_rows=(4,))
+    names = [t.name for t in prof.trials]
+    assert names == list(kernels.KERNEL_SETS)
+    opts = kernels.kernel_options(torch.bfloat16)
+    for t in prof.trials:
+        assert t.ran == (opts[t.name] is None)
+        if t.ran:
+            assert set(t.ms_by_rows) == {1, 2, 8} and all(v > 0 for v in t.ms_by_rows.values())
+            assert set(t.invariant_rows) == {4}
+    if opts["panels"] is None:  # entmtp's set computes every row as a one-row step would
+        assert prof.trial("panels").row_invariant
+    assert prof.choice in [t.name for t in prof.trials if t.ran]
+
+
+def test_an_isa_switch_to_generic_leaves_only_stock(monkeypatch):
+    monkeypatch.setenv("ENTMTP_ISA", "generic")
+    prof = tuning.probe_kernels(tiny_model("llama", vocab=96, dtype=torch.bfloat16), rows=(1, 8), repeats=1, check_rows=(4,))
+    assert [t.name for t in prof.trials if t.ran] == ["stock"] and prof.choice == "stock"
+
+
+def test_profile_is_cached_per_machine_and_refreshed_on_request(tuning_on, monkeypatch):
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
+    first = tuning.kernel_profile(model)
+    assert first.measured and Path(first.cache_file).is_file() and str(tuning_on) in first.cache_file
+    saved = json.loads(Path(first.cache_file).read_text())
+    assert saved["format"] == tuning.PROFILE_FORMAT and saved["fingerprint"]["isa"]
+    again = tuning.kernel_profile(model)
+    assert again.created == first.created and again.choice == first.choice  # read, not measured
+    monkeypatch.setenv("ENTMTP_TUNE", "refresh")
+    assert tuning.kernel_profile(model).probe_s > 0
+    monkeypatch.setenv("ENTMTP_TUNE", "0")
+    off = tuning.kernel_profile(model)
+    assert not off.measured and off.choice == kernels.preferred_kernels(model)
+    monkeypatch.setenv("ENTMTP_TUNE", "1")
+    monkeypatch.setenv("ENTMTP_ISA", "generic")  # another dispatch class: another profile
+    assert tuning.kernel_profile(model).cache_file != first.cache_file
+
+
+def test_engine_decodes_on_the_tuned_kernels_and_says_whether_it_is_exact(tuning_on):
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)})
+    prof = eng.kernel_profile
+    assert eng.kernels == prof.choice and eng.row_invariant == prof.row_invariant
+    assert prof.why in eng.kernels_reason
+    if eng.row_invariant:  # then speculation is the plain loop, token for token
+        cfg = DecodeConfig(max_new_tokens=30, eos_token_ids=())
+        from entmtp.trees import resolve_tree
+
+        plain = eng.run([5, 9, 11, 5, 9], config=cfg).tokens
+        assert eng.run([5, 9, 11, 5, 9], heads="hydra", tree=resolve_tree("mc_sim_7b_63").truncated(3), config=cfg).tokens == plain
+
+
+def test_trees_are_chosen_from_statistics_and_measured_latency(tuning_on):
+    model = tiny_model("llama", vocab=96, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 30], [7, 7, 7, 20, 21, 22]], max_new_tokens=24, max_rank=8)
+    tuned = autotune.tune_trees(eng, "hydra", stats=stats, repeats=1)
+    assert tuned.tree.n_nodes >= 1 and tuned.tree.depth <= 3
+    assert tuned.latency.baseline_s > 0 and tuned.predicted_speedup > 0
+    # the choice is the best of the lab's own scoring over the same statistics and latency
+    from entmtp.search import search_trees
+
+    best = max(c.predicted_tokens_per_s for c in search_trees(stats, [max(autotune.CPU_SIZES)], tuned.latency,
+                                                              depths=range(1, 4)))
+    assert tuned.predicted_tau / tuned.latency.cost(tuned.tree.n_nodes, tuned.tree.depth) == pytest.approx(best)
+    back = autotune.TunedTrees.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert back.tree.paths == tuned.tree.paths and (back.bank is None) == (tuned.bank is None)
+    # no statistics shipped with random heads: nothing tuned, the recorded tree serves
+    assert autotune.tuned_trees(eng, "hydra") is None
+
+
+@pytest.mark.model
+def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
+    """`entmtp tune` on the embedded model: every kernel set's latency by rows and invariance,
+    the choice, threads, and a tree per heads from the shipped statistics -- as text and JSON."""
+    env = {**__import__("os").environ, "ENTMTP_TUNE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "entmtp", "tune", "--dtype", "bfloat16", "--methods", "medusa", "--json", "--refresh"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr
+    prof = json.loads(p.stdout)
+    assert [t["name"] for t in prof["kernel_trials"]] == list(kernels.KERNEL_SETS)
+    assert prof["kernels"] in [t["name"] for t in prof["kernel_trials"] if t["ran"]]
+    assert prof["probe_s"] < 60
+    medusa = prof["heads"]["medusa"]
+    assert medusa["nodes"] >= 1 and medusa["predicted_tau"] >= 1.0 and "shipped acceptance records" in medusa["why"]
+    text = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert text.returncode == 0 and "| kernel set |" in text.stdout and "medusa: tree" in text.stdout
+    bad = subprocess.run(cmd[:4] + ["--methods", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "unknown method 'nope'" in bad.stderr and "Traceback" not in bad.stderr
