@@ -434,7 +434,8 @@ class HeadRunner:
         self.config = heads.config
         self.embed = model.get_input_embeddings()
         p = next(model.parameters())
-        self.device = p.device
+        # with a device_map the heads live where the last hidden state and the lm_head do
+        self.device = model.get_output_embeddings().weight.device
         if draft_dtype == "auto":
             fast = p.dtype == torch.float32 and p.device.type == "cpu" and fast_bf16_matmul()
             draft_dtype = torch.bfloat16 if fast else p.dtype
@@ -473,6 +474,12 @@ class HeadRunner:
     @property
     def label(self) -> str:
         return self.config.label
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] -> the base's input embeddings [n, h] on the heads' device (with a device_map
+        the embedding may live on another device than the lm_head)."""
+        w = self.embed.weight
+        return self.embed(ids.to(w.device)).to(self.device)
 
     def start(self, hidden: torch.Tensor) -> tuple[Optional[PrefixState], torch.Tensor]:
         """Begin a request. hidden [T, h] base hidden states of the prompt.
@@ -535,7 +542,7 @@ class HeadRunner:
                     ents[nodes] = -(lp.exp() * lp).sum()
             return Draft(tokens, probs, ents)
         # Hydra: rows = expanded nodes of the previous level, features grow by one embedding
-        rows = torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
+        rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
         for d in range(1, D + 1):
             if d == 1 and first_logits is not None:
                 logits = first_logits[None]
@@ -552,7 +559,7 @@ class HeadRunner:
                 ents[nodes] = (-(lp.exp() * lp).sum(-1))[prow]
             exp = buf.level_expand[d]
             if d < D and exp.numel():
-                emb = self.embed(tok[exp]).to(rows.dtype)
+                emb = self.embed_tokens(tok[exp]).to(rows.dtype)
                 rows = torch.cat([rows[prow[exp]], emb], dim=-1)
         return Draft(tokens, probs, ents)
 
@@ -568,7 +575,7 @@ class HeadRunner:
         """
         D = min(depth, self.config.num_heads)
         hydra = self.config.kind == "hydra"
-        rows = torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
+        rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
         parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
         for d in range(1, D + 1):
@@ -588,7 +595,7 @@ class HeadRunner:
             keep = level[:beam]
             if d < D and hydra:
                 sel = torch.tensor([x[2] for x in keep], device=rows.device)
-                emb = self.embed(torch.tensor([x[3] for x in keep], device=rows.device)).to(rows.dtype)
+                emb = self.embed_tokens(torch.tensor([x[3] for x in keep], device=rows.device)).to(rows.dtype)
                 rows = torch.cat([rows[sel], emb], dim=-1)
             parents = [(x[0], x[1]) for x in keep]
         ranked = sorted(cand, key=lambda q: (-cand[q][0], len(q), q))
@@ -608,7 +615,7 @@ class HeadRunner:
     @torch.no_grad()
     def first_level(self, feature: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """Head 0's draft logits at the root [V_draft] (a scheduler signal of this step)."""
-        x = feature[None] if self.config.kind == "medusa" else torch.cat([feature, self.embed(root.view(1))[0].to(feature.dtype)])[None]
+        x = feature[None] if self.config.kind == "medusa" else torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None]
         return self.head_logits(0, x)[0]
 
     def to_full_vocab(self, idx: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,10 @@ def check_tree_support(model) -> None:
     if sw and getattr(cfg, "use_sliding_window", True) is not False:
         raise UnsupportedModelError(f"{name} uses sliding-window attention (window {sw}); tree verification needs full attention")
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if "flex" in impl:
-        raise UnsupportedModelError(f"attention implementation {impl!r} is not supported; load the model with attn_implementation='sdpa' or 'eager'")
+    if "flex" in impl or "flash" in impl:
+        # flash kernels take a 4D tree mask for a padding mask (wrong tokens); flex aborts on CPU
+        raise UnsupportedModelError(f"attention implementation {impl!r} cannot take a tree mask; load the model with "
+                                    "attn_implementation='sdpa' or 'eager'")
 
 
 def max_context(model) -> int:

@@ -1,6 +1,8 @@
 """The CPU class as dispatch sees it (ENTMTP_ISA can only take capabilities away), the machine
 fingerprint tuning profiles are cached under, and the bf16 advice."""
 
+import os
+
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ def test_hardware_class_names_the_cpu_isa_or_the_device_type():
     assert hardware_class("cpu") == hardware_class(torch.device("cpu")) == f"cpu-{isa}"
     assert hardware_class("cuda:1") == "cuda" and hardware_class("mps") == "mps"
     units = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    assert fast_bf16_matmul() == (isa in ("amx", "avx512_bf16")) == units
+    assert fast_bf16_matmul() == (isa in ("amx", "avx512_bf16"))
+    if not os.environ.get("ENTMTP_ISA"):  # as torch itself reports them
+        assert fast_bf16_matmul() == units
 
 
 @pytest.mark.parametrize("want", ISA_ORDER)
@@ -46,4 +50,4 @@ def test_bf16_advice_on_a_generic_cpu_names_the_reason(monkeypatch):
     """A CPU with neither bf16 units nor the panels (ENTMTP_ISA=generic dispatches as on one) gets the note."""
     monkeypatch.setenv("ENTMTP_ISA", "generic")
     advice = kernels.dtype_advice("cpu", torch.bfloat16, remedy="load it in float32")
-    assert "AVX2" in advice and advice.endswith("load it in float32") and "\n" not in advice
+    assert "cpu-generic" in advice and advice.endswith("load it in float32") and "\n" not in advice

@@ -118,6 +118,7 @@ def test_a_cpu_without_bf16_reorder_falls_back_with_a_reason(monkeypatch):
     def no_bf16(w):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
 
+    monkeypatch.delenv("ENTMTP_ISA", raising=False)  # the CPU's own class: only the reorder fails
     kernels._onednn_packing_unavailable.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
     monkeypatch.setattr(kernels, "_panels_unavailable", lambda: "no compiler here")
@@ -448,6 +449,8 @@ def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
     """No compiler, no ninja or a broken source: one line saying why, and decoding stays on stock."""
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
+    monkeypatch.delenv("ENTMTP_PANELS", raising=False)
+    monkeypatch.delenv("ENTMTP_ISA", raising=False)
     monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "PANELS_SOURCE", broken)
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
