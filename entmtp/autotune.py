@@ -29,7 +29,7 @@ from .bank import fit_entropy_bank
 from .calibrate import CalibrationStats, LatencyModel, measure_latency
 from .hardware import fingerprint_id
 from .paths import cache_dir
-from .scheduler import EntropyBucketScheduler, load_bank
+from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .trees import Tree
 from .tuning import model_key
@@ -178,8 +178,7 @@ def bank_file(engine, heads: str) -> Optional[Path]:
     return path
 
 
-__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "tuned_trees", "trees_path", "bank_file",
-           "load_bank"]
+__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "tuned_trees", "trees_path", "bank_file"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:

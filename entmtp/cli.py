@@ -21,7 +21,7 @@ METHODS = ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynami
 # shortest match per dtype and hardware class (`default_lookup_min_ngram_<dtype>@<class>`, like its
 # trees): bf16 on an AVX2 CPU without bf16 units grafts after >= 2-token matches, since a one-token
 # match grafted a branch on most steps for ~2% more tau and decoded 4-7% slower; in float32 there,
-# where rows are nearly free, it did not (session 18: `python scripts/compare_lookup.py`,
+# where rows are nearly free, it did not (measured on the 2-core AVX2 EPYC: `python scripts/compare_lookup.py`,
 # docs/bench/HISTORY.md).
 DEFAULT_LOOKUP = {"entmtp": (4, 1), "lookup": (8, 1)}
 

@@ -303,8 +303,8 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
     if mode != "refresh" and path.is_file():
         try:
             prof = KernelProfile.from_json(json.loads(path.read_text()))
-            opts = kernel_options(model.dtype if hasattr(model, "dtype") else next(model.parameters()).dtype,
-                                  next(model.parameters()).device)
+            p = next(model.parameters())
+            opts = kernel_options(p.dtype, p.device)
             if opts.get(prof.choice) is None:  # still runnable (a kernel build may have gone)
                 prof.cache_file = str(path)
                 return prof

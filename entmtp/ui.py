@@ -1,4 +1,4 @@
-"""The Gradio app (issue 6): Chat, Race and Topology lab tabs over one shared engine cache.
+"""The Gradio app: Chat, Race and Topology lab tabs over one shared engine cache.
 
 `build_demo()` only builds the Blocks: no model is loaded until a handler needs one (or
 `warm_up()` is called, e.g. in a background thread at launch), so importing the app is fast.
