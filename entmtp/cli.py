@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                 sp = sub.add_parser(c, help=(runner.__doc__ or "").strip().splitlines()[0] if runner.__doc__ else None)
                 adder(sp)
                 sp.set_defaults(func=runner)
+    from .space import add_space_parser
+
+    add_space_parser(sub)  # `entmtp space build DIR` / `entmtp space push OWNER/NAME`
     return p
 
 
