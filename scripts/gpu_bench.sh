@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA benchmark of the embedded model, prepared for the device tool (one lent H200; see
-# /work/.library/device/README.md): what a session with a GPU runs, in as few device minutes as
-# possible.
+# The CUDA benchmark of the embedded model, for a GPU machine without network access, reached through
+# calls that each carry at most 64 MiB: as few GPU minutes as possible.
 #
-# Why staging: a device call carries at most 64 MiB (working tree + carried paths), and this
+# Why staging: a call carries at most 64 MiB (working tree + carried paths), and this
 # repository's tracked draft heads alone are ~67 MB; the embedded GGUF is 98 MB and the device
 # image has transformers 5.17 (entmtp needs 5.24) and no gguf / plotly. Nothing can be fetched
 # there. So, here:

@@ -9,7 +9,7 @@ With `--hardware cpu-avx2` as well: `meta.default_tree_float32@cpu-avx2` (used o
 class, `entmtp.hardware.hardware_class`; `--hardware here` = this machine's class).
 With `--lookup-min-ngram K` (and --dtype / --hardware): records only the shortest context match that
 grafts a prompt-lookup branch for methods using these heads (`meta.default_lookup_min_ngram...`;
-measure it first with scripts/compare_lookup.py). Session 18:
+measure it first with scripts/compare_lookup.py). The recorded AVX2 bf16 setting:
 `python scripts/record_default_trees.py --kinds hydrapp --dtype bfloat16 --hardware cpu-avx2 --lookup-min-ngram 2`.
 """
 

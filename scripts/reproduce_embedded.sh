@@ -54,8 +54,8 @@ train_heads --data runs/train_prompts6000.jsonl --init-from runs/heads-v4-medusa
 rm -rf assets/heads/smollm2-135m-medusa && cp -r runs/heads-v5/smollm2-135m-medusa assets/heads/
 
 #    Stage d (the shipped Hydra++ heads, v6): stage b's Hydra++ heads trained on for 1500 steps
-#    (about 38 min) on 7000 prompts: the 4000 of the 6000 whose answers were cached on that session's
-#    machine (train_prompt_ids_v6.txt) plus 3000 new ones from another seed (answered in about 30 min).
+#    (about 38 min) on 7000 prompts: the 4000 of the 6000 whose answers were cached on the training
+#    machine at the time (train_prompt_ids_v6.txt) plus 3000 new ones from another seed (answered in about 30 min).
 python scripts/build_train_prompts.py --out runs/train_prompts_v6a.jsonl --n 6000 --seed 0 \
   --exclude runs/calib_prompts.jsonl --only-ids assets/heads/train_prompt_ids_v6.txt
 python scripts/build_train_prompts.py --out runs/train_prompts_v6b.jsonl --n 3000 --seed 2 \
@@ -81,9 +81,8 @@ python -m entmtp search --model default --heads hydra++ --data runs/calib_prompt
   --out runs/search-hydrapp-fp32 --save-trees-to trees/ --tag fp32
 python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrapp
 #    The trees and banks for CPUs without bf16 units (hardware class cpu-avx2: an AVX2-only CPU):
-#    float32 with packed oneDNN kernels (session 11) and bfloat16 with entmtp's AVX2 panel kernels
-#    (session 12, entmtp/csrc; searched again in session 13 with the fused ops, float32 attention and
-#    one-row panels). Run on such a machine; recorded as default_tree_<dtype>@cpu-avx2,
+#    float32 with packed oneDNN kernels and bfloat16 with entmtp's AVX2 panel kernels
+#    (entmtp/csrc, with the fused ops, float32 attention and one-row panels). Run on such a machine; recorded as default_tree_<dtype>@cpu-avx2,
 #    used only there (entmtp.hardware).
 if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_class("cpu"))')" = cpu-avx2 ]; then
   for dt in float32:fp32 bfloat16:bf16; do
@@ -95,12 +94,12 @@ if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_cl
     done
     python scripts/record_default_trees.py --dtype "$dtype" --hardware cpu-avx2 --tag "$short-avx2" --kinds hydrapp,hydra,medusa
   done
-  #  session 16: the bf16 Hydra++ default is the winner of an on-policy race of small trees (the
+  #  the bf16 Hydra++ default is the winner of an on-policy race of small trees (the
   #  latency medians no longer rank 2-6 node trees on a busy VM); the Hydra++ bank stays the search's
   python scripts/race_trees.py --heads hydra++ --stats runs/search-hydrapp-bf16-avx2 --dtype bfloat16 \
     --max-nodes 5 --max-depth 3 --min-nodes 3 --trees trees/smollm2-135m-hydrapp-bf16-avx2-b64.json --prompts 24 \
     --save trees/smollm2-135m-hydrapp-bf16-avx2-race.json --record
-  #  session 18: entmtp's lookup branch in bf16 here grafts only after matches of >= 2 tokens
+  #  entmtp's lookup branch in bf16 here grafts only after matches of >= 2 tokens
   #  (a tree row is dear; measured against 1 and 3 on held-out calibration prompts)
   python scripts/compare_lookup.py --data runs/calib_prompts.jsonl --n 24 --seed 18 --variants 0,4:1,4:2,4:3
   python scripts/record_default_trees.py --kinds hydrapp --dtype bfloat16 --hardware cpu-avx2 --lookup-min-ngram 2
@@ -115,9 +114,9 @@ python -m entmtp bench --model default --dtype bfloat16 --methods hf,baseline,me
   --max-new-tokens 128 --out runs/bench-bf16-all
 python -m entmtp bench --model default --dtype bfloat16 --methods hf,baseline,entmtp --kernels stock \
   --max-new-tokens 128 --per-category 2 --out runs/bench-bf16-stock   # the same engine without packed kernels
-python scripts/bench_kernels.py   # stock vs prepacked bf16 linears (README, "Where the time goes")
-#    session 11 (AVX2 CPU): the float32 runs above, plus all 60 prompts in float32, the packed float32
-#    kernels and the step-time curve by tree rows (README, "On a CPU without bf16 units")
+python scripts/bench_kernels.py   # stock vs prepacked bf16 linears (docs/performance.md)
+#    on the AVX2 CPU: the float32 runs above, plus all 60 prompts in float32, the packed float32
+#    kernels and the step-time curve by tree rows (docs/bench/HISTORY.md, the AVX2 section)
 python -m entmtp bench --model default --dtype float32 --methods hf,medusa,hydra,entmtp \
   --max-new-tokens 128 --out runs/bench-fp32-all
 python scripts/bench_kernels.py --dtype float32

@@ -704,7 +704,7 @@ def test_cli_score_errors(tiny_dir, tmp_path, capsys):
     assert code == 2 and "exceeds the 3 draft heads" in err
 
 
-@pytest.mark.slow  # rank 1 aborted (SIGABRT) in 2 of ~6 full-suite runs, never alone; cause not found yet (see the issue note)
+@pytest.mark.slow  # rank 1 aborted (SIGABRT) in 2 of ~6 full-suite runs, never alone; cause not found yet
 def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path, capsys, monkeypatch):
     """`accelerate launch` with 2 CPU processes: prompts are sharded, the statistics gathered
     and merged on the main process -- the same statistics as one process.
