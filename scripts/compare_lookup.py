@@ -11,8 +11,8 @@ all of them should). Timing: run it on an idle machine.
         --variants 0,4:1,4:2,4:3 [--heads hydra++ | --heads none] [--tree NAME]
 
 The prompts are the last --n of the file after a seeded shuffle: held out from the first prompts
-`entmtp search` takes statistics on. Session 18 chose entmtp's default (4 tokens after matches of
->= 2) with it; `runs/calib_prompts.jsonl` is written by `scripts/reproduce_embedded.sh`.
+`entmtp search` takes statistics on. entmtp's AVX2 bf16 default (4 tokens after matches of
+>= 2) was chosen with it (docs/calibration.md); `runs/calib_prompts.jsonl` is written by `scripts/reproduce_embedded.sh`.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
 `entmtp search` ranks trees by predicted tokens/s = exact replayed tau / a measured step time. On
 a small noisy VM the step-time medians of neighbouring tree sizes differ by less than their noise
-(session 16: a 3-node tree timed faster than a 1-node one, and the chosen 5-node depth-1 tree ran
+(once a 3-node tree timed faster than a 1-node one, and the chosen 5-node depth-1 tree ran
 19% below its prediction), so among the few trees that can pay on such a CPU the ranking is a
 coin toss. This script lets the decoding itself decide: the statistics of an earlier search
 propose, for every (size, depth) up to --max-nodes / --max-depth, the tree with the highest
@@ -11,7 +11,7 @@ search's split, on-policy, prompt by prompt with the order rotated (`search.eval
 load drift hits all alike. Prints tokens/s, tau and speedup vs plain decoding; --save writes the
 winner, with the race in its provenance, as a tree file.
 
-    python scripts/race_trees.py --heads hydra --stats runs/search15-hydra-bf16 --dtype bfloat16 \
+    python scripts/race_trees.py --heads hydra --stats runs/search-hydra-bf16 --dtype bfloat16 \
         [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json [--record]]
 
 `entmtp search ... --race N` runs the same race as step 6 of a search (with `--stats DIR` on an
