@@ -27,12 +27,10 @@ import torch
 
 from .bank import fit_entropy_bank
 from .calibrate import CalibrationStats, LatencyModel, measure_latency
-from .hardware import fingerprint_id
-from .paths import cache_dir
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .trees import Tree
-from .tuning import model_key
+from .tuning import machine_dir, model_key
 
 ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
 TREES_FORMAT = "entmtp-tuned-trees/1"
@@ -98,11 +96,11 @@ def _heads_id(runner) -> str:
 
 
 def trees_path(engine, heads: str) -> Path:
-    """`cache_dir()/tuning/<machine>/trees-<model>-<dtype>-<kernels>-<heads>-<id>.json`."""
+    """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>.json`."""
     key = model_key(engine.model)
     label = heads.replace("+", "p")
     name = f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-{_heads_id(engine.runners[heads])}.json"
-    return cache_dir() / "tuning" / fingerprint_id(engine.device) / name
+    return machine_dir(engine.device) / name
 
 
 def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,

@@ -60,6 +60,7 @@ from .acceptance import AcceptanceRule, Sampling, TypicalRule, make_rule
 from .data import DataError, Prompt, render_prompt
 from .decoding import DecodeConfig, Engine
 from .scheduler import Decision, Scheduler, StepSignals
+from .tuning import config_hash
 from .trees import Path_, Tree, TreeError, resolve_tree
 from .verify import last_positions
 
@@ -1149,12 +1150,9 @@ def latency_key(engine: Engine, heads: str) -> dict:
     from .models import describe_model
 
     info = describe_model(engine.model)
-    cfg = engine.model.config.to_dict()
-    for k in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "entmtp_info"):
-        cfg.pop(k, None)
     heads_cfg = {k: v for k, v in engine.runners[heads].config.to_dict().items() if k not in ("base_model", "notes")}
     return {"model": info.get("name"), "architecture": info.get("architecture"), "n_params": info.get("n_params"),
-            "model_config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "model_config": config_hash(engine.model),
             "device": str(engine.device), "hardware": hardware_class(engine.device),
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "dtype": str(engine.dtype).removeprefix("torch."), "heads": heads_cfg,

@@ -21,6 +21,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
+from .hardware import synchronize
 from .heads import DraftHeads, HeadRunner
 from .kernels import decode_model
 from .tuning import apply_threads, kernel_profile
@@ -65,11 +66,6 @@ class DecodeConfig:
             raise ValueError("lookup must be >= 0 and lookup_ngram >= 1")
         if not 1 <= self.lookup_min_ngram <= self.lookup_ngram:
             raise ValueError("lookup_min_ngram must be between 1 and lookup_ngram")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _entropy_prob(logits: torch.Tensor, token: int) -> tuple[float, float]:
@@ -222,7 +218,7 @@ class Generation:
         self.root_logits = last
         if self.runner is not None:
             self.prefix_state, self.feature = self.runner.start(hidden)
-        _sync(self.device)
+        synchronize(self.device)
         self.time_prefill = time.perf_counter() - t0
         self._started = True
 
@@ -333,7 +329,7 @@ class Generation:
                 tree, tokens, lookup_nodes = graft_chain(tree, tokens, chain)
                 if lookup_nodes:
                     tree_tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        _sync(dev)
+        synchronize(dev)
         t1 = time.perf_counter()
 
         # -- verify: one forward over the whole tree
@@ -349,7 +345,7 @@ class Generation:
             logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden, logits_to_keep=keep)
         if screened is not None:
             targets, logits = screened.targets(hidden)  # logits: the bf16 screen (signals only)
-        _sync(dev)
+        synchronize(dev)
         t2 = time.perf_counter()
 
         # -- accept and keep the accepted nodes
@@ -376,7 +372,7 @@ class Generation:
                     scheduler=reason, time_schedule=t_sched, lookup_nodes=lookup_nodes or None)
         if full:
             self._fill_full_trace(step, tree, drafted_tree, draft, logits, prev_root_logits)
-        _sync(dev)
+        synchronize(dev)
         step.time_bookkeeping = time.perf_counter() - t2
         return step
 

@@ -81,6 +81,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def synchronize(device) -> None:
+    """Wait for `device`'s queued work (CUDA runs asynchronously): timings must include it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def fingerprint(device) -> dict:
     """What a measurement on `device` depends on: the CPU (model, ISA as dispatched, cores, the
     threads torch starts with, OpenMP's wait policy) or GPU name, and the torch version."""
@@ -101,4 +108,4 @@ def fingerprint_id(device) -> str:
 
 
 __all__ = ["ISA_ORDER", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
-           "fingerprint_id"]
+           "fingerprint_id", "synchronize"]

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_sdpa
-from .kernels import can_pack, kernel_options, packed_twin, shared_linear
+from .kernels import can_pack, kernel_options, pack_panels, packed_twin, shared_linear
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
@@ -276,10 +276,10 @@ class FusedPrefixLayer(nn.Module):
         self.norms = [(n.weight, float(n.eps)) for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.norm)]
         self.weight = layer.q_proj.weight  # a parameter, so that probes see the dtype
         cat = lambda *ls: torch.cat([m.weight.detach() for m in ls])  # noqa: E731
-        self.qkv = ops.bf16_pack_panels(cat(layer.q_proj, layer.k_proj, layer.v_proj))
-        self.o = ops.bf16_pack_panels(layer.o_proj.weight.detach())
-        self.gate_up = ops.bf16_pack_panels(cat(layer.gate_proj, layer.up_proj))
-        self.down = ops.bf16_pack_panels(layer.down_proj.weight.detach())
+        self.qkv = pack_panels(cat(layer.q_proj, layer.k_proj, layer.v_proj))
+        self.o = pack_panels(layer.o_proj.weight.detach())
+        self.gate_up = pack_panels(cat(layer.gate_proj, layer.up_proj))
+        self.down = pack_panels(layer.down_proj.weight.detach())
         self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:

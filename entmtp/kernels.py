@@ -185,6 +185,30 @@ def _panel_ops_registered() -> bool:
         return False
 
 
+def panel_columns() -> int:
+    """Panel width for entmtp's bf16 linears on this CPU: 32 columns (the AVX-512 micro-kernel) where
+    dispatch allows AVX-512, else 16 (AVX2). Both compute each output column as the same chain of fp32
+    FMAs, so they give the same bits; the wide one issues half the instructions for a tree's rows.
+    `ENTMTP_ISA=avx2` (or lower) keeps the 16-column kernel on an AVX-512 CPU."""
+    return 32 if isa_at_least("avx512") else 16
+
+
+@functools.lru_cache(maxsize=None)
+def _source_id() -> str:
+    return hashlib.sha256(PANELS_SOURCE.read_bytes() if PANELS_SOURCE.is_file() else b"").hexdigest()[:8]
+
+
+def library_id() -> str:
+    """Names the version of entmtp's kernel library as dispatched here (its source and panel width):
+    measurements of its speed are only valid for the library they were taken with."""
+    return f"k{_source_id()}w{panel_columns()}"
+
+
+def pack_panels(weight: torch.Tensor, columns: Optional[int] = None) -> torch.Tensor:
+    """weight [N, K] bf16 -> panels [ceil(N / c), K, c] for `bf16_panels_linear` (c = `panel_columns()`)."""
+    return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), columns or panel_columns())
+
+
 def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]:
     """Each kernel set of KERNEL_SETS -> None when it can run for `dtype` on `device` here, else
     why not (one line). "stock" always can."""
@@ -329,7 +353,7 @@ class PanelLinear(_PackedBase):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        self.panels = torch.ops.entmtp_cpu.bf16_pack_panels(linear.weight.detach())
+        self.panels = pack_panels(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.entmtp_cpu.bf16_panels_linear(x, self.panels, self.out_features, self.bias, False)
@@ -391,8 +415,8 @@ class FusedMLP(nn.Module):
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.gate_weight, self.up_weight, self.down_weight = g.weight, u.weight, d.weight  # shared parameters
         self.in_features, self.inter, self.out_features = g.in_features, g.out_features, d.out_features
-        self.gate_up = torch.ops.entmtp_cpu.bf16_pack_panels(torch.cat([g.weight.detach(), u.weight.detach()]))
-        self.down = torch.ops.entmtp_cpu.bf16_pack_panels(d.weight.detach())
+        self.gate_up = pack_panels(torch.cat([g.weight.detach(), u.weight.detach()]))
+        self.down = pack_panels(d.weight)
         self.__dict__["_reference"] = mlp.forward
 
     @staticmethod
@@ -444,9 +468,9 @@ class FusedAttention(nn.Module):
         self.num_key_value_groups, self.is_causal = self.num_heads // self.num_kv_heads, True  # read by sdpa helpers
         self.in_features, self.out_features = q.in_features, o.out_features
         self.q_weight, self.k_weight, self.v_weight, self.o_weight = q.weight, k.weight, v.weight, o.weight  # shared
-        self.qkv = torch.ops.entmtp_cpu.bf16_pack_panels(torch.cat([q.weight.detach(), k.weight.detach(), v.weight.detach()]))
+        self.qkv = pack_panels(torch.cat([q.weight.detach(), k.weight.detach(), v.weight.detach()]))
         self.qkv_bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias]).detach()
-        self.o = torch.ops.entmtp_cpu.bf16_pack_panels(o.weight.detach())
+        self.o = pack_panels(o.weight)
         self.o_bias = o.bias
         self.__dict__["_reference"] = attn  # the replaced module, for `matches` (not a submodule)
 
@@ -693,5 +717,5 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
 
 __all__ = ["KERNELS", "KERNEL_SETS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
-           "packed_linear", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
+           "packed_linear", "pack_panels", "panel_columns", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

@@ -35,8 +35,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .hardware import fingerprint, fingerprint_id
-from .kernels import KERNEL_SETS, can_pack, decode_model, kernel_bytes_ok, kernel_options, preferred_kernels
+from .hardware import fingerprint, fingerprint_id, synchronize
+from .kernels import KERNEL_SETS, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id, preferred_kernels
 from .kvcache import decoding_cache
 from .paths import cache_dir
 from .threads import default_threads, threads_override
@@ -128,30 +128,34 @@ class KernelProfile:
         return f"kernels {self.choice}{lat}{threads}; {exact}"
 
 
-def model_key(model) -> dict:
-    """What the kernels' speed and invariance depend on: the architecture's shapes (the config
-    without names and paths), dtype and device, not the weights."""
+def config_hash(model) -> str:
+    """A short hash of the model's architecture: its config without names, paths and versions."""
     cfg = model.config.to_dict()
     for k in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "entmtp_info"):
         cfg.pop(k, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_key(model) -> dict:
+    """What the kernels' speed and invariance depend on: the architecture's shapes, dtype and
+    device, not the weights."""
     p = next(model.parameters())
-    return {"architecture": type(model).__name__, "config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str)
-                                                                           .encode()).hexdigest()[:16],
+    return {"architecture": type(model).__name__, "config": config_hash(model),
             "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device),
             "attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
+def machine_dir(device) -> Path:
+    """`cache_dir()/tuning/<machine fingerprint>-<kernel library id>/`: where this machine's
+    measurements live (a new version of entmtp's kernels measures again)."""
+    return cache_dir() / "tuning" / f"{fingerprint_id(device)}-{library_id()}"
+
+
 def profile_path(model) -> Path:
-    """`cache_dir()/tuning/<machine fingerprint>/<architecture>-<dtype>-<device>-<config hash>.json`."""
+    """`machine_dir()/<architecture>-<dtype>-<device>-<config hash>.json`."""
     key = model_key(model)
     dev = torch.device(key["device"])
-    name = f"{key['architecture']}-{key['dtype']}-{dev.type}-{key['config']}.json"
-    return cache_dir() / "tuning" / fingerprint_id(dev) / name
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return machine_dir(dev) / f"{key['architecture']}-{key['dtype']}-{dev.type}-{key['config']}.json"
 
 
 def _chain_mask(rows: int, past: int, dtype, device) -> Optional[torch.Tensor]:
@@ -184,10 +188,10 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         mask = _chain_mask(r, past, model.dtype, dev)
         times = []
         for k in range(repeats + 1):  # the first untimed: per-shape kernel set-up
-            _sync(dev)
+            synchronize(dev)
             t = time.perf_counter()
             forward(twin, ids, cache, mask=mask, position_ids=pos)
-            _sync(dev)
+            synchronize(dev)
             if k:
                 times.append(time.perf_counter() - t)
             cache.crop(-r)

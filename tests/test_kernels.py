@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conftest import assert_lossless_and_near_stock, random_heads, tiny_model
-from entmtp import attention, kernels
+from entmtp import attention, hardware, kernels
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.trees import resolve_tree
 
@@ -285,6 +285,42 @@ def test_panel_kernel_is_the_exact_product_up_to_rounding(n, k, bias):
         y16 = torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, n, b, False)
         assert y16.dtype == torch.bfloat16
         assert ((y16.float() - exact).abs() <= 2 ** -8 * exact.abs() + 2 * slack).all()
+
+
+needs_wide_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
+                                       or not hardware.isa_at_least("avx512"),
+                                       reason="the 32-column panel kernel needs AVX-512 (and the panel library)")
+
+
+@needs_wide_panels
+@pytest.mark.parametrize("n,k", [(40, 24), (33, 7), (64, 96), (200, 576)])
+def test_wide_panels_give_the_same_bits_as_the_avx2_panels(n, k):
+    """The AVX-512 kernel (32-column panels) runs the same fp32 FMA chain per output column as the
+    AVX2 one: bit-identical for every row count (its 12-row blocks and every remainder), panel
+    tails and odd widths; and each row equals that row alone (row invariance)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    narrow, wide = kernels.pack_panels(w, 16), kernels.pack_panels(w, 32)
+    assert wide.shape == ((n + 31) // 32, k, 32)
+    for m in list(range(1, 26)) + [40]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        y16 = torch.ops.entmtp_cpu.bf16_panels_linear(x, narrow, n, None, True)
+        y32 = torch.ops.entmtp_cpu.bf16_panels_linear(x, wide, n, None, True)
+        assert torch.equal(y16, y32), m
+        alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], wide, n, None, True) for i in range(m)])
+        assert torch.equal(alone, y32), m
+
+
+@needs_panels
+def test_panel_width_follows_dispatch(monkeypatch):
+    """ENTMTP_ISA=avx2 keeps the 16-column kernel on an AVX-512 CPU; the wide one only where dispatch allows it."""
+    monkeypatch.setenv("ENTMTP_ISA", "avx2")
+    assert kernels.panel_columns() == 16
+    assert kernels.pack_panels(torch.randn(20, 8).to(torch.bfloat16)).shape == (2, 8, 16)
+    monkeypatch.delenv("ENTMTP_ISA")
+    assert kernels.panel_columns() == (32 if hardware.isa_at_least("avx512") else 16)
+    with pytest.raises(RuntimeError, match="cols must be 16"):
+        torch.ops.entmtp_cpu.bf16_pack_panels(torch.randn(20, 8).to(torch.bfloat16), 24)
 
 
 @needs_panels

@@ -9,10 +9,13 @@
 // Layout: a weight W [N, K] is repacked once into panels [ceil(N/16), K, 16] of 16 output
 // columns each (zero-padded), so the inner loop reads 32 contiguous bytes per k. The 16 slots
 // of a k-row are permuted so that unpacklo/unpackhi (which work per 128-bit lane) yield columns
-// 0-7 and 8-15 without a shuffle.
+// 0-7 and 8-15 without a shuffle. On a CPU with AVX-512 a weight may instead be packed into
+// 32-column panels [ceil(N/32), K, 32] in natural order (one 64-byte line per k-row), read by
+// `micro_wide`: the same fp32 FMA chain per output column, so the same bits, in half the
+// instructions (a tree's extra rows cost arithmetic, not weight reads).
 //
 // Ops (namespace entmtp_cpu):
-//   bf16_pack_panels(Tensor w) -> Tensor                                 w [N, K] bf16
+//   bf16_pack_panels(Tensor w, int cols=16) -> Tensor                    w [N, K] bf16; cols 16 or 32 (AVX-512)
 //   bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor
 //       x [..., K] bf16 or fp32 -> [..., n] (bf16, or fp32 when out_float: the sums before rounding)
 //   bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor
@@ -42,22 +45,26 @@
 namespace {
 
 constexpr int kCols = 16;
+constexpr int kWideCols = 32;  // AVX-512 panels: one 64-byte line per k-row, two zmm of fp32
 constexpr int kPrefetchBytes = 2048;  // 64 k-rows ahead (measured best of 1-2 KB on a Zen 3 VM)
 // column j of a panel goes to slot kSlot[j] of each packed k-row (see the layout note above)
 constexpr int kSlot[kCols] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-at::Tensor bf16_pack_panels(const at::Tensor& w_) {
+at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.device().is_cpu(),
               "bf16_pack_panels: w must be a 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(cols == kCols || cols == kWideCols, "bf16_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
   const at::Tensor w = w_.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
-  at::Tensor out = at::zeros({P, K, kCols}, w.options());
+  const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
+  at::Tensor out = at::zeros({P, K, cols}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < kCols && p * kCols + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kCols + kSlot[j]] = src[(p * kCols + j) * K + k];
+      for (int64_t j = 0; j < cols && p * cols + j < N; ++j) {
+        const int64_t slot = cols == kCols ? kSlot[j] : j;  // wide panels: natural order
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + slot] = src[(p * cols + j) * K + k];
+      }
   });
   return out;
 }
@@ -109,16 +116,78 @@ inline void micro(const float* x, int64_t K, const uint16_t* panel, float* y, in
   }
 }
 
+// The AVX-512 twin of `micro`, on 32-column panels: y[m, 0:ncols] = x[m, :] . panel columns for MB
+// rows. Each output column is the same chain of fp32 FMAs over k as in `micro` (one accumulator
+// lane per column, k in order), so both kernels give bit-identical results; this one issues half
+// the instructions and holds up to 12 rows (24 accumulators) in AVX-512's 32 registers.
+template <int MB>
+__attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_t K, const uint16_t* panel, float* y,
+                                                          int64_t ldy, int ncols) {
+  __m512 acc[MB][2];
+  _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+    acc[m][0] = _mm512_setzero_ps();
+    acc[m][1] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kWideCols) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kWideCols)));
+    const __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kWideCols + 16)));
+    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+    const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  if (ncols == kWideCols) {
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_storeu_ps(y + m * ldy, acc[m][0]);
+      _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
+    }
+  } else {
+    alignas(64) float tmp[kWideCols];
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_store_ps(tmp, acc[m][0]);
+      _mm512_store_ps(tmp + 16, acc[m][1]);
+      for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
+    }
+  }
+}
+
+constexpr int kWideRows = 12;
+
+template <int MB>
+__attribute__((target("avx512f"))) void rows_wide(const float* x, int64_t K, const uint16_t* panel, float* y,
+                                                  int64_t ldy, int ncols, int rows) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return rows_wide<MB - 1>(x, K, panel, y, ldy, ncols, rows);
+  }
+  micro_wide<MB>(x, K, panel, y, ldy, ncols);
+}
+
+// all M rows against one 32-column panel, 12 rows at a time
+__attribute__((target("avx512f"))) void panel_wide(const float* xp, int64_t M, int64_t K, const uint16_t* panel,
+                                                   float* yb, int64_t n, int nc) {
+  int64_t m = 0;
+  for (; m + kWideRows <= M; m += kWideRows) micro_wide<kWideRows>(xp + m * K, K, panel, yb + m * n, n, nc);
+  if (m < M) rows_wide<kWideRows - 1>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
+}
+
 at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
                               const c10::optional<at::Tensor>& bias, bool out_float) {
   TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat) &&
                   x_.device().is_cpu(),
               "bf16_panels_linear: x must be a bfloat16 or float32 CPU tensor");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kCols && panels.size(1) == x_.size(-1) &&
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols) &&
+                  panels.size(1) == x_.size(-1) &&
                   panels.scalar_type() == at::kBFloat16 && panels.is_contiguous(),
               "bf16_panels_linear: panels must come from bf16_pack_panels for this input width");
-  TORCH_CHECK(n > (panels.size(0) - 1) * kCols && n <= panels.size(0) * kCols,
+  const int64_t cols = panels.size(2);
+  TORCH_CHECK(n > (panels.size(0) - 1) * cols && n <= panels.size(0) * cols,
               "bf16_panels_linear: n does not match the panels");
+  TORCH_CHECK(cols == kCols || __builtin_cpu_supports("avx512f"),
+              "bf16_panels_linear: 32-column panels need a CPU with AVX-512");
   const at::Tensor x = x_.reshape({-1, x_.size(-1)}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   std::vector<int64_t> out_shape = x_.sizes().vec();
@@ -127,6 +196,13 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
+  if (cols == kWideCols) {
+    at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        panel_wide(xp, M, K, wp + p * K * kWideCols, yp + p * kWideCols, n,
+                   static_cast<int>(std::min<int64_t>(kWideCols, n - p * kWideCols)));
+    });
+  } else {
   at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = wp + p * K * kCols;
@@ -146,6 +222,7 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
       }
     }
   });
+  }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
 }
@@ -471,7 +548,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 }  // namespace
 
 TORCH_LIBRARY(entmtp_cpu, m) {
-  m.def("bf16_pack_panels(Tensor w) -> Tensor");
+  m.def("bf16_pack_panels(Tensor w, int cols=16) -> Tensor");
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
