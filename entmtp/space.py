@@ -463,7 +463,8 @@ def list_space(root: Path) -> list[SpaceFile]:
 
 def format_listing(root: Path, files: list[SpaceFile]) -> str:
     total = sum(f.size for f in files)
-    lines = [f"{f.size / 1e6:9.2f} MB  {f.path}{'  (large file)' if f.large else ''}" for f in files]
+    size = lambda n: f"{n / 1e6:7.1f} MB" if n >= 1e6 else f"{n / 1e3:7.1f} kB"  # noqa: E731
+    lines = [f"{size(f.size)}  {f.path}{'  (large file)' if f.large else ''}" for f in files]
     lines.append(f"{root}: {len(files)} files, {total / 1e6:.1f} MB "
                  f"({sum(f.large for f in files)} large files under .gitattributes rules)")
     return "\n".join(lines)
