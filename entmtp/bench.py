@@ -18,19 +18,55 @@ each tree), dynamic (Hydra heads + EAGLE-2 style dynamic trees, for comparison).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import platform
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-ALL_METHODS = ("hf", "pld", "baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
+import torch
+
+from .data import PromptSet, bundled_prompts, load_prompts, render_prompt
+from .hardware import hardware_class
+from .methods import HYDRA_FAMILY, METHODS, Runner, make_runner, method_heads, method_lookup, parse_methods
+from .models import describe_model
+from .scheduler import recorded_default
+
+ALL_METHODS = tuple(METHODS)
+
+
+@dataclass
+class BenchConfig:
+    """What `entmtp bench` measures: which methods on which prompts, and how.
+
+    prompts: a prompt file (any format the loader reads; None: the bundled bench set), cut to
+    the first `per_category` prompts of each category and then the first `limit` (0: all).
+    tree / bank override the static tree of methods with heads and entmtp's bank; scheduler
+    overrides entmtp's. lookup / lookup_min_ngram: see `methods.method_lookup`."""
+
+    methods: Sequence[str] = ("hf", "pld", "baseline", "medusa", "hydra", "entmtp")
+    prompts: Optional[str] = None
+    limit: int = 0
+    per_category: int = 0
+    max_new_tokens: int = 128
+    repeats: int = 1
+    tree: Optional[str] = None
+    scheduler: Optional[str] = None
+    bank: Optional[str] = None
+    pld_tokens: int = 10
+    lookup: Optional[int] = None
+    lookup_min_ngram: Optional[int] = None
+
+    def __post_init__(self):
+        self.methods = tuple(parse_methods(self.methods))
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -55,83 +91,30 @@ class Run:
         return self.new_tokens / self.forwards if self.forwards else 0.0
 
 
-class ForwardCounter:
-    """Counts base-model forwards (a forward pre-hook), to get tau for transformers' methods."""
-
-    def __init__(self, model):
-        self.n = 0
-        self._h = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *_):
-        self.n += 1
-
-    def close(self):
-        self._h.remove()
+def make_runners(engine, cfg: BenchConfig) -> dict[str, Runner]:
+    """method -> its `methods.Runner` on `engine` (greedy, `cfg.max_new_tokens`)."""
+    return {m: make_runner(engine, m, cfg.max_new_tokens, tree=cfg.tree, scheduler=cfg.scheduler if m == "entmtp" else None,
+                           bank=cfg.bank, lookup=cfg.lookup, lookup_min_ngram=cfg.lookup_min_ngram, pld_tokens=cfg.pld_tokens)
+            for m in cfg.methods}
 
 
 def _sync(engine):
-    import torch
-
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
 
-def make_runners(engine, methods: list[str], args) -> dict[str, Callable[[list[int]], tuple[list[int], int, float, float]]]:
-    """method -> fn(ids) returning (new tokens, forwards, bookkeeping seconds, step seconds)."""
-    import torch
-
-    from .cli import build_scheduler, method_heads, method_lookup
-    from .decoding import DecodeConfig
-
-    n = args.max_new_tokens
-    eos = engine.eos_ids()
-    runners = {}
-
-    def hf(extra):
-        def run(ids):
-            x = torch.tensor([ids], device=engine.device)
-            c = ForwardCounter(engine.model)
-            try:
-                out = engine.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                            eos_token_id=list(eos) or None, pad_token_id=(eos[0] if eos else None), **extra)
-            finally:
-                c.close()
-            return out[0, len(ids):].tolist(), c.n, 0.0, 0.0
-        return run
-
-    for m in methods:
-        if m == "hf":
-            runners[m] = hf({})
-        elif m == "pld":
-            runners[m] = hf({"prompt_lookup_num_tokens": args.pld_tokens})
-        else:
-            heads = method_heads(m, args)
-            sched = build_scheduler(engine, heads, argparse.Namespace(tree=args.tree, scheduler=args.scheduler if m == "entmtp" else None,
-                                                                      bank=args.bank, method=m)) if heads else None
-
-            def run(ids, heads=heads, sched=sched, cfg=DecodeConfig(max_new_tokens=n, **method_lookup(m, args, engine, heads))):
-                r = engine.run(ids, heads=heads, scheduler=sched, config=cfg)
-                step_s = sum(s.time_total for s in r.steps)
-                return r.tokens, 1 + sum(1 for s in r.steps if s.time_verify > 0), sum(s.time_bookkeeping for s in r.steps), step_s
-            runners[m] = run
-    return runners
-
-
-def recorded_trees(engine, methods: list[str], args) -> dict:
+def recorded_trees(engine, methods: Sequence[str]) -> dict:
     """Per heads used: the tree and bank files their checkpoint records for this dtype and hardware
     class (what a method decodes with unless --tree / --bank override it)."""
-    from .cli import method_heads
-    from .scheduler import recorded_default
-
-    used = sorted({method_heads(m, args) for m in methods if m not in ("hf", "pld")} - {None})
+    used = sorted({method_heads(m, engine.runners) for m in methods} - {None})
     return {h: {"tree": recorded_default(engine, h, "default_tree"), "bank": recorded_default(engine, h, "default_bank")}
             for h in used}
 
 
-def run_bench(engine, prompts, methods: list[str], args, progress: Optional[Callable[[str], None]] = None) -> list[Run]:
-    from .data import render_prompt
-
-    runners = make_runners(engine, methods, args)
+def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[str], None]] = None) -> list[Run]:
+    """Every method on every prompt, `cfg.repeats` times, interleaved, after a warm-up."""
+    methods = list(cfg.methods)
+    runners = make_runners(engine, cfg)
     rendered = [(p.id, p.category or "all", render_prompt(p, engine.tokenizer)) for p in prompts]
     # Warm-up: every method once on the first prompt (first-touch memory, lazy inits).
     for m in methods:
@@ -139,14 +122,14 @@ def run_bench(engine, prompts, methods: list[str], args, progress: Optional[Call
     runs: list[Run] = []
     for i, (pid, cat, ids) in enumerate(rendered):
         order = methods[i % len(methods):] + methods[: i % len(methods)]
-        for rep in range(args.repeats):
+        for rep in range(cfg.repeats):
             for m in order:
                 _sync(engine)
                 t0 = time.perf_counter()
-                toks, fwd, book, step = runners[m](ids)
+                o = runners[m](ids)
                 _sync(engine)
                 dt = time.perf_counter() - t0
-                runs.append(Run(pid, cat, m, rep, len(toks), dt, fwd, toks, book, step))
+                runs.append(Run(pid, cat, m, rep, len(o.tokens), dt, o.forwards, o.tokens, o.bookkeeping_s, o.step_s))
         if progress:
             progress(f"prompt {i + 1}/{len(rendered)}")
     return runs
@@ -196,9 +179,6 @@ def summarize(runs: list[Run], methods: list[str]) -> dict:
     summary["per_prompt"] = {p: {m: {"tokens_per_s": med[(p, m)].tokens_per_s, "tau": med[(p, m)].tau,
                                      "new_tokens": med[(p, m)].new_tokens} for m in methods} for p in prompts}
     return summary
-
-
-HYDRA_FAMILY = ("hydra", "hydra++")
 
 
 def headline(summary: dict) -> dict:
@@ -309,72 +289,49 @@ def take_per_category(prompts, k: int) -> list:
     return out
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import DEFAULT_LOOKUP, add_lookup_min_ngram_argument, add_model_args
-
-    add_model_args(p)
-    p.add_argument("--prompts", default=None, help="prompt file (any format the loader reads); default: the bundled bench set")
-    p.add_argument("--methods", default="hf,pld,baseline,medusa,hydra,entmtp")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
-    p.add_argument("--per-category", type=int, default=0, help="use only the first N prompts of each category (0 = all)")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--tree", default=None, help="override the static tree of medusa / hydra")
-    p.add_argument("--scheduler", default=None, help="override entmtp's scheduler")
-    p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
-    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
-    p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt-lookup chain length for every method with heads (default: "
-                        + ", ".join(f"{k} {v[0]}" for k, v in DEFAULT_LOOKUP.items()) + ", others 0)")
-    add_lookup_min_ngram_argument(p)
-    p.add_argument("--out", default="runs/bench")
-
-
-def cmd_bench(args) -> int:
-    """benchmark hf / pld / baseline / medusa / hydra / entmtp side by side"""
-    from .cli import CLIError, load_engine_for, method_heads, method_lookup
-    from .data import bundled_prompts, load_prompts
-    from .hardware import hardware_class
-    from .models import describe_model
-
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ALL_METHODS]
-    if bad:
-        raise CLIError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
-    ps = load_prompts(args.prompts or bundled_prompts("bench"))
+def load_bench_prompts(cfg: BenchConfig) -> tuple[PromptSet, list]:
+    """The prompt set and the prompts `cfg` selects from it."""
+    ps = load_prompts(cfg.prompts or bundled_prompts("bench"))
     prompts = ps.prompts
-    if args.per_category:
-        prompts = take_per_category(prompts, args.per_category)
-    if args.limit:
-        prompts = prompts[: args.limit]
-    for e in ps.skipped[:5]:
-        print(f"skipped {e}", file=sys.stderr)
-    engine = load_engine_for(args, [m for m in methods if m not in ("hf", "pld")])
-    command = "entmtp bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "entmtp bench"
-    print(f"# {command}", file=sys.stderr)
-    runs = run_bench(engine, prompts, methods, args, progress=lambda s: print(s, file=sys.stderr, end="\r"))
-    summary = summarize(runs, methods)
-    looks = {m: method_lookup(m, args, engine, method_heads(m, args)) for m in methods if m not in ("hf", "pld")}
-    meta = {"command": command, "model": describe_model(engine.model), "dtype": args.dtype, "device": str(engine.device),
-            "prompts": len(prompts), "prompt_file_sha256": ps.sha256, "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+    if cfg.per_category:
+        prompts = take_per_category(prompts, cfg.per_category)
+    if cfg.limit:
+        prompts = prompts[: cfg.limit]
+    return ps, prompts
+
+
+def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: str) -> dict:
+    """What ran where: model, dtype, machine, kernels, lookup and trees per method."""
+    ours = [m for m in cfg.methods if METHODS[m].ours]
+    looks = {m: method_lookup(m, engine, method_heads(m, engine.runners), lookup=cfg.lookup, min_ngram=cfg.lookup_min_ngram)
+             for m in ours}
+    return {"command": command, "model": describe_model(engine.model), "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device), "prompts": len(prompts), "prompt_file_sha256": ps.sha256,
+            "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
             "hardware": hardware_class(engine.device),
-            "threads": __import__("torch").get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "lookup": {m: looks[m]["lookup"] for m in looks},
             "lookup_min_ngram": {m: looks[m]["lookup_min_ngram"] for m in looks if looks[m]["lookup"]},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
             "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
-            "recorded_trees": recorded_trees(engine, methods, args),
-            "overrides": {"tree": args.tree, "bank": args.bank}}
-    write_reports(Path(args.out), runs, summary, methods, meta)
-    print(file=sys.stderr)
-    print(markdown_table(summary, methods))
+            "recorded_trees": recorded_trees(engine, cfg.methods),
+            "overrides": {"tree": cfg.tree, "bank": cfg.bank}}
+
+
+def terminal_report(summary: dict, methods: Sequence[str]) -> str:
+    """The table and headline `entmtp bench` prints."""
+    lines = [markdown_table(summary, list(methods))]
     if "baseline" in methods and "hf" in methods:
         b = summary["methods"]["baseline"]
-        print(f"\nbaseline / hf tokens/s ratio: {b['speedup_vs_hf']:.3f}; "
-              f"engine bookkeeping share of step time: {b.get('bookkeeping_share', 0):.1%} (baseline), " + ", ".join(
-                  f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in methods if m not in ("hf", "pld", "baseline")))
-    for line in headline_lines(summary["headline"]):
-        print(line)
-    print(f"reports: {args.out}/summary.json, runs.csv, report.md, report.html")
-    return 0
+        lines.append(f"\nbaseline / hf tokens/s ratio: {b['speedup_vs_hf']:.3f}; "
+                     f"engine bookkeeping share of step time: {b.get('bookkeeping_share', 0):.1%} (baseline), " + ", ".join(
+                         f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in methods
+                         if METHODS[m].ours and m != "baseline"))
+    lines += headline_lines(summary["headline"])
+    return "\n".join(lines)
+
+
+__all__ = ["ALL_METHODS", "BenchConfig", "Run", "make_runners", "recorded_trees", "run_bench", "summarize", "headline",
+           "headline_lines", "markdown_table", "write_reports", "take_per_category", "load_bench_prompts", "bench_meta",
+           "terminal_report"]

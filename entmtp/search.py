@@ -50,7 +50,7 @@ Library API (the app calls these)::
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import html
 import json
@@ -68,7 +68,9 @@ import numpy as np
 from .calibrate import (MAX_BUDGET, MAX_NEW_TOKENS, MAX_PROMPTS, MAX_UNION_NODES, CalibrationStats, LatencyModel,
                         Progress, RuleSpec, _clustered_stderr, _noop, _slug, as_rule_spec, collect_stats, encode_prompts,
                         expand_by_value, load_or_measure_latency, machine_info, read_stats_json, union_tree)
-from .data import DataError, Prompt, PromptSet, split_prompts
+from .bank import fit_entropy_bank
+from .data import DataError, Prompt, PromptSet, bundled_prompts, load_prompts, split_prompts
+from .models import describe_model
 from .trees import Path_, Tree, TreeError, resolve_tree
 
 SEARCH_FORMAT = "entmtp-search/1"
@@ -575,8 +577,6 @@ class SearchReport:
     def fit_bank(self, n_buckets: int = 4) -> None:
         """Fit the entropy bank (bucket of the root entropy -> tree) from these statistics:
         the candidates are every searched tree; the objective is overall expected tokens/s."""
-        from .bank import fit_entropy_bank
-
         if self.latency is None or not any(math.isfinite(r.root_entropy) for r in self.stats.records):
             return
         pool = [c for c in self.candidates if c.methods != ["reference"]]
@@ -1003,53 +1003,91 @@ def reused_stats(path: str | Path, want: dict, heads_config: dict, spec: RuleSpe
     return stats, held_stats
 
 
-def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budgets: Sequence[int] = (4, 8, 16, 32, 64), *,
-               rule: RuleSpec | str | None = None, max_new_tokens: int = 64, union: Optional[Tree] = None,
-               union_nodes: int = 128, depths: Optional[Sequence[int]] = None, methods: Sequence[str] = ("greedy", "dp"),
-               held_out: float = 0.25, seed: int = 0, max_calibration: int = 200, max_eval: int = 6,
-               max_held_out: int = 48,
-               decompose: bool = True, latency: Optional[LatencyModel] = None, remeasure: bool = False,
-               latency_repeats: int = 5, stats_method: str = "auto", max_rank: int = 32, batch_size: int = 16,
-               progress: Optional[Progress] = None, state=None, command: Optional[str] = None,
-               reuse_stats: str | Path | None = None, race_prompts: int = 0, race_max_nodes: int = 6,
-               race_max_depth: int = 3) -> Optional[SearchReport]:
-    """The whole topology search (see the module docstring).
+@dataclass
+class SearchConfig:
+    """What a topology search does (see `run_search`).
 
-    prompts: `Prompt`s or a `PromptSet` (its source and sha256 go into the provenance).
     held_out: fraction of prompts held out (0 = no held-out check); at most `max_calibration`
     calibration prompts are used, held-out statistics (replay) of at most `max_held_out` and
     on-policy decoding of the first `max_eval` held-out prompts. stats_method / max_rank /
     batch_size: see `collect_stats` (`union` / `union_nodes`: the union tree of rollouts).
     decompose: also collect statistics of the held-out prompts (always for traces, which are
     cheap), to split a prediction gap into prompt and on-policy effects.
-    state: an `accelerate.PartialState` with several processes shards the statistics passes;
-    then only the main process returns the report (the others return None).
     reuse_stats: an earlier search's output directory whose statistics (and held-out statistics)
     replace the statistics pass -- checked to be for these heads, prompts, rule, dtype and
     length -- so that a search after a kernel or latency change only re-times and re-chooses.
     race_prompts: also race small trees on-policy (step 6) on this many held-out prompts after
     the first `max_eval` (`race_max_nodes` / `race_max_depth` bound the proposals).
+    command: the command line recorded in the provenance.
     """
+
+    budgets: Sequence[int] = (4, 8, 16, 32, 64)
+    rule: RuleSpec | str | None = None
+    max_new_tokens: int = 64
+    union: Optional[Tree] = None
+    union_nodes: int = 128
+    depths: Optional[Sequence[int]] = None
+    methods: Sequence[str] = ("greedy", "dp")
+    held_out: float = 0.25
+    seed: int = 0
+    max_calibration: int = 200
+    max_eval: int = 6
+    max_held_out: int = 48
+    decompose: bool = True
+    remeasure: bool = False
+    latency_repeats: int = 5
+    stats_method: str = "auto"
+    max_rank: int = 32
+    batch_size: int = 16
+    reuse_stats: str | Path | None = None
+    race_prompts: int = 0
+    race_max_nodes: int = 6
+    race_max_depth: int = 3
+    command: Optional[str] = None
+
+    def check(self) -> "SearchConfig":
+        """This config with its budgets sorted; ValueError (one line) for a value out of range."""
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ValueError(f"held_out must be in [0, 1), got {self.held_out}")
+        if not 1 <= self.max_calibration <= MAX_PROMPTS:
+            raise ValueError(f"max_calibration must be in 1..{MAX_PROMPTS}")
+        if not 1 <= self.max_eval <= MAX_EVAL_PROMPTS:
+            raise ValueError(f"max_eval must be in 1..{MAX_EVAL_PROMPTS}")
+        if not 1 <= self.max_held_out <= MAX_PROMPTS:
+            raise ValueError(f"max_held_out must be in 1..{MAX_PROMPTS}")
+        if not 0 <= self.race_prompts <= MAX_EVAL_PROMPTS:
+            raise ValueError(f"race_prompts must be in 0..{MAX_EVAL_PROMPTS}")
+        if self.race_prompts and self.held_out <= 0:
+            raise ValueError("the race decodes held-out prompts: give a held-out fraction > 0")
+        if self.race_prompts and not (1 <= self.race_max_nodes <= MAX_BUDGET and self.race_max_depth >= 1):
+            raise ValueError(f"race_max_nodes must be in 1..{MAX_BUDGET} and race_max_depth >= 1")
+        return dataclasses.replace(self, budgets=tuple(_check_budgets(self.budgets)))
+
+
+def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config: SearchConfig | Sequence[int] | None = None,
+               *, latency: Optional[LatencyModel] = None, progress: Optional[Progress] = None, state=None,
+               **fields) -> Optional[SearchReport]:
+    """The whole topology search (see the module docstring).
+
+    prompts: `Prompt`s or a `PromptSet` (its source and sha256 go into the provenance).
+    config: a `SearchConfig`, or just the node budgets; `fields` override its fields.
+    latency: a latency model to use instead of the cached or measured one.
+    state: an `accelerate.PartialState` with several processes shards the statistics passes;
+    then only the main process returns the report (the others return None).
+    """
+    if config is None or not isinstance(config, SearchConfig):
+        config = SearchConfig(**({"budgets": tuple(config)} if config is not None else {}))
+    cfg = dataclasses.replace(config, **fields).check()
     t_start = time.perf_counter()
-    budgets = _check_budgets(budgets)
-    spec = as_rule_spec(rule)
+    budgets = list(cfg.budgets)
+    spec = as_rule_spec(cfg.rule)
     progress = progress or _noop
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(engine.runners) or 'none'})")
-    if not 0.0 <= held_out < 1.0:
-        raise ValueError(f"held_out must be in [0, 1), got {held_out}")
-    if not 1 <= max_calibration <= MAX_PROMPTS:
-        raise ValueError(f"max_calibration must be in 1..{MAX_PROMPTS}")
-    if not 1 <= max_eval <= MAX_EVAL_PROMPTS:
-        raise ValueError(f"max_eval must be in 1..{MAX_EVAL_PROMPTS}")
-    if not 1 <= max_held_out <= MAX_PROMPTS:
-        raise ValueError(f"max_held_out must be in 1..{MAX_PROMPTS}")
-    if not 0 <= race_prompts <= MAX_EVAL_PROMPTS:
-        raise ValueError(f"race_prompts must be in 0..{MAX_EVAL_PROMPTS}")
-    if race_prompts and held_out <= 0:
-        raise ValueError("the race decodes held-out prompts: give a held-out fraction > 0")
-    if race_prompts and not (1 <= race_max_nodes <= MAX_BUDGET and race_max_depth >= 1):
-        raise ValueError(f"race_max_nodes must be in 1..{MAX_BUDGET} and race_max_depth >= 1")
+    max_new_tokens, held_out, seed, union = cfg.max_new_tokens, cfg.held_out, cfg.seed, cfg.union
+    max_eval, race_prompts, reuse_stats = cfg.max_eval, cfg.race_prompts, cfg.reuse_stats
     data = {"source": None, "sha256": None, "skipped": 0}
     if isinstance(prompts, PromptSet):
         data = {"source": prompts.source, "sha256": prompts.sha256, "format": prompts.format, "skipped": len(prompts.skipped)}
@@ -1062,7 +1100,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     if data["sha256"] is None:
         data["sha256"] = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
     calib, held = split_prompts(prompts, held_out, seed) if held_out > 0 else (prompts, [])
-    calib, held = calib[:max_calibration], held[:max(max_eval + race_prompts, max_held_out)]
+    calib, held = calib[:cfg.max_calibration], held[:max(max_eval + race_prompts, cfg.max_held_out)]
     if race_prompts and len(held) <= max_eval:
         raise DataError(f"the race needs held-out prompts beyond the {max_eval} of the on-policy check, but the split "
                         f"holds {len(held)}: give more prompts, a larger held-out fraction or fewer eval prompts")
@@ -1072,15 +1110,13 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     K = runner.config.num_heads
     ref = resolve_tree(REFERENCE_TREE).truncated(K)
     ref = Tree(ref.paths, REFERENCE_TREE if K >= 4 else f"{REFERENCE_TREE}@d{K}")
-    method = stats_method if stats_method != "auto" else ("rollout" if spec.name == "typical" else "trace")
+    method = cfg.stats_method if cfg.stats_method != "auto" else ("rollout" if spec.name == "typical" else "trace")
     if method == "rollout":
         if union is None:
-            union = union_tree(K, union_nodes, include=[ref])
+            union = union_tree(K, cfg.union_nodes, include=[ref])
         if union.depth > K:
             raise TreeError(f"the union tree has depth {union.depth} but the heads draft {K} levels")
     distributed = state is not None and getattr(state, "num_processes", 1) > 1
-    from .models import describe_model
-
     model_info = describe_model(engine.model)
     meta = {"model": model_info.get("name"), "data_sha256": data["sha256"]}
     timings = {}
@@ -1088,20 +1124,20 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
     # 1. statistics
     t0 = time.perf_counter()
     mine = _shard(calib, state) if distributed else calib
-    kw = dict(method=method, max_rank=max_rank, batch_size=batch_size)
+    kw = dict(method=method, max_rank=cfg.max_rank, batch_size=cfg.batch_size)
     held_stats = None
     if reuse_stats is not None:
         if distributed:
             raise ValueError("reused statistics need no statistics pass: run the search in one process")
         want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "num_heads": K,
                 "max_new_tokens": max_new_tokens, "dtype": str(engine.dtype).removeprefix("torch."), "method": method}
-        stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, max_rank, union,
+        stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, cfg.max_rank, union,
                                          [p.id for p in calib], held)
     else:
         stats = collect_stats(engine, heads, mine, union, spec, max_new_tokens, progress=progress, meta=meta, **kw)
-    if reuse_stats is None and held and (decompose or method == "trace"):
+    if reuse_stats is None and held and (cfg.decompose or method == "trace"):
         # traces are cheap: replay on many held-out prompts; rollouts: only the evaluated ones
-        hp = held[:max_held_out] if method == "trace" else held[:max_eval]
+        hp = held[:cfg.max_held_out] if method == "trace" else held[:max_eval]
         mine_h = _shard(hp, state) if distributed else hp
         held_stats = collect_stats(engine, heads, mine_h, union, spec, max_new_tokens,
                                    progress=lambda ph, d, t: progress("held-out statistics", d, t), meta=meta,
@@ -1123,13 +1159,13 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
             enc = sorted(encode_prompts(engine, calib[:64]), key=lambda x: len(x[1]))
             mid = enc[len(enc) // 2][1]
             ctx = mid + (mid * (1 + max_new_tokens // max(1, len(mid))))[: max_new_tokens // 2]
-        latency = load_or_measure_latency(engine, heads, max_nodes=max(max(budgets), ref.n_nodes), remeasure=remeasure,
-                                          repeats=latency_repeats, progress=progress, context_ids=ctx)
+        latency = load_or_measure_latency(engine, heads, max_nodes=max(max(budgets), ref.n_nodes), remeasure=cfg.remeasure,
+                                          repeats=cfg.latency_repeats, progress=progress, context_ids=ctx)
     timings["latency_s"] = time.perf_counter() - t0
 
     # 3. search
     t0 = time.perf_counter()
-    cands = search_trees(stats, budgets, latency, depths=depths, methods=methods, references=[ref], progress=progress)
+    cands = search_trees(stats, budgets, latency, depths=cfg.depths, methods=cfg.methods, references=[ref], progress=progress)
     front = frontier(cands, budgets)
     timings["search_s"] = time.perf_counter() - t0
 
@@ -1138,7 +1174,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
                            "calibration_ids": [p.id for p in calib], "held_out_ids": [p.id for p in held]},
                   "rule": spec.to_json(), "rule_label": spec.label, "dtype": str(engine.dtype).removeprefix("torch."),
                   "device": str(engine.device), "machine": machine_info(), "seed": seed, "held_out_fraction": held_out,
-                  "max_new_tokens": max_new_tokens, "methods": list(methods), "command": command,
+                  "max_new_tokens": max_new_tokens, "methods": list(cfg.methods), "command": cfg.command,
                   "processes": getattr(state, "num_processes", 1) if state is not None else 1,
                   "reused_statistics": str(reuse_stats) if reuse_stats is not None else None,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -1158,7 +1194,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, budget
         if len(pool) < race_prompts:
             report.warnings.append(f"the race decoded {len(pool)} held-out prompts, not the {race_prompts} asked for: "
                                    f"the held-out split has no more beyond the {max_eval} of the on-policy check")
-        report.race = _race(report, engine, heads, pool, spec, max_new_tokens, race_max_nodes, race_max_depth, progress)
+        report.race = _race(report, engine, heads, pool, spec, max_new_tokens, cfg.race_max_nodes, cfg.race_max_depth, progress)
         if report.race["identical_outputs"] is False:
             report.warnings.append("greedy outputs of a raced tree differ from plain decoding on some race prompt "
                                    "(float noise on near-ties, or a bug)")
@@ -1278,67 +1314,9 @@ def _warnings(report: SearchReport) -> list[str]:
     return w
 
 
-# ---- CLI ------------------------------------------------------------------------------------------
+# ---- helpers of the command line ----------------------------------------------------------------
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_args
-
-    add_model_args(p)
-    p.add_argument("--data", default="calib_example",
-                   help="prompt file (JSON, JSONL or text; any format the loader reads) or a bundled set name (default: calib_example)")
-    p.add_argument("--rule", default="greedy", choices=["greedy", "typical", "sampling"], help="acceptance rule the statistics are for")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (typical / sampling rules)")
-    p.add_argument("--typical-epsilon", type=float, default=0.09)
-    p.add_argument("--typical-alpha", type=float, default=0.3)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per prompt (statistics and held-out)")
-    p.add_argument("--stats-method", default="auto", choices=["auto", "trace", "rollout"],
-                   help="statistics pass: trace (greedy / sampling: one continuation per prompt, every position recorded, "
-                        "exact replay) or rollout (decode with a union tree; needed for typical); auto picks")
-    p.add_argument("--max-rank", type=int, default=32, help="trace statistics: ranks up to this (exclusive) are covered")
-    p.add_argument("--batch-size", type=int, default=16, help="trace statistics: prompts continued together")
-    p.add_argument("--union-nodes", type=int, default=128, help="rollout statistics: size of the union tree (+ mc_sim_7b_63)")
-    p.add_argument("--union", default=None, help="rollout statistics: use this tree file as the union tree")
-    p.add_argument("--remeasure", action="store_true", help="measure the latency model again instead of using the cache")
-    p.add_argument("--latency-repeats", type=int, default=5, help="timed steps per tree size in the latency model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def add_search_arguments(p: argparse.ArgumentParser) -> None:
-    _add_common(p)
-    p.add_argument("--budgets", default="4,8,16,32,64", help="node budgets, comma separated")
-    p.add_argument("--out", default="runs/search", help="output directory")
-    p.add_argument("--max-prompts", type=int, default=200, help="at most this many calibration prompts")
-    p.add_argument("--held-out", type=float, default=0.25, help="fraction of prompts held out for the on-policy check (0 = none)")
-    p.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts decoded on-policy by every chosen tree (slow on CPU)")
-    p.add_argument("--held-out-prompts", type=int, default=48, help="at most this many held-out prompts in the held-out statistics (replay)")
-    p.add_argument("--depths", default=None, help="depth limits to search, e.g. 2,3,4 (default: 1..number of heads)")
-    p.add_argument("--methods", default="greedy,dp", help="search methods: greedy, dp")
-    p.add_argument("--no-decompose", action="store_true", help="rollout statistics: skip the union pass over the held-out prompts "
-                                                                 "(which splits prediction gaps into prompt and on-policy parts)")
-    p.add_argument("--stats", default=None, help="reuse an earlier search's statistics (its output directory) instead of a "
-                                                 "statistics pass -- checked to be for the same model, heads, data, rule, dtype "
-                                                 "and --max-new-tokens; for re-searching after a kernel or latency change")
-    p.add_argument("--race", type=int, default=0, metavar="N",
-                   help="also race small trees on-policy on N further held-out prompts and save the fastest as "
-                        "<model>-<heads>-race.json (for CPUs whose step times are too noisy to rank small trees)")
-    p.add_argument("--race-max-nodes", type=int, default=6, help="--race: largest proposed tree")
-    p.add_argument("--race-max-depth", type=int, default=3, help="--race: deepest proposed tree")
-    p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. trees/)")
-    p.add_argument("--tag", default="", help="tag in the saved tree and bank names, e.g. fp32 -> MODEL-HEADS-fp32-b8.json")
-
-
-def add_score_arguments(p: argparse.ArgumentParser) -> None:
-    _add_common(p)
-    p.add_argument("--tree", required=True, help="tree JSON file or a name in trees/")
-    p.add_argument("--stats", default=None, help="statistics: a search output directory, its search.json, or a stats.json "
-                                                 "(default: a statistics pass over --data now)")
-    p.add_argument("--max-prompts", type=int, default=24, help="at most this many prompts")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", default=None, help="also write the result JSON to this file")
-
-
-class _Bars:
+class ProgressBars:
     """tqdm bars per phase, driven by progress(phase, done, total) callbacks."""
 
     def __init__(self, enabled: bool, position: int = 0):
@@ -1359,39 +1337,15 @@ class _Bars:
             bar.close()
 
 
-def _load_data(spec: str, limit: Optional[int] = None) -> PromptSet:
-    from .data import bundled_prompts, load_prompts
-
+def load_data(spec: str) -> PromptSet:
+    """Prompts from a file (any format the loader reads) or a bundled set by name."""
     p = Path(spec)
     if p.exists() or os.sep in spec or "." in p.name:
-        ps = load_prompts(p)
-    else:
-        ps = load_prompts(bundled_prompts(spec))
-    return ps
+        return load_prompts(p)
+    return load_prompts(bundled_prompts(spec))
 
 
-def _rule_from_args(args) -> RuleSpec:
-    return RuleSpec(args.rule, temperature=args.temperature, typical_epsilon=args.typical_epsilon,
-                    typical_alpha=args.typical_alpha, seed=args.seed)
-
-
-def _engine_and_heads(args):
-    from .cli import load_engine_for, method_heads
-
-    engine = load_engine_for(args, ["hydra"])
-    return engine, method_heads("hydra", args)
-
-
-def _parse_ints(text: Optional[str], what: str) -> Optional[list[int]]:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-
-
-def _accelerate_state(device: str):
+def accelerate_state(device: str):
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     from accelerate import PartialState
@@ -1399,7 +1353,7 @@ def _accelerate_state(device: str):
     return PartialState(cpu=str(device).startswith("cpu"))
 
 
-def _end_distributed() -> None:
+def end_distributed() -> None:
     """Leave the process group once the statistics are gathered (only the main process
     goes on to measure latency and decode the held-out prompts)."""
     import torch.distributed as dist
@@ -1411,53 +1365,7 @@ def _end_distributed() -> None:
         dist.destroy_process_group()
 
 
-def cmd_search(args) -> int:
-    """search draft trees for node budgets from one statistics pass; held-out check, frontiers, reports"""
-    budgets = _check_budgets(_parse_ints(args.budgets, "--budgets") or [])
-    depths = _parse_ints(args.depths, "--depths")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.max_new_tokens < 1 or args.max_new_tokens > MAX_NEW_TOKENS:
-        raise ValueError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}")
-    spec = _rule_from_args(args)
-    if not 0 <= args.race <= MAX_EVAL_PROMPTS:
-        raise ValueError(f"--race must be in 0..{MAX_EVAL_PROMPTS} (held-out prompts to race small trees on)")
-    if args.race and not (1 <= args.race_max_nodes <= MAX_BUDGET and args.race_max_depth >= 1):
-        raise ValueError(f"--race-max-nodes must be in 1..{MAX_BUDGET} and --race-max-depth >= 1")
-    ps = _load_data(args.data)
-    state = _accelerate_state(args.device)
-    if state is not None and args.device.startswith("cuda"):
-        args.device = str(state.device)
-    main = state is None or state.is_main_process
-    engine, heads = _engine_and_heads(args)
-    union = resolve_tree(args.union) if args.union else None
-    command = "entmtp search " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 and sys.argv[1] == "search" else None
-    say = (lambda s: print(s, file=sys.stderr)) if main else (lambda s: None)
-    say(f"# {ps.summary()}")
-    bars = _Bars(not args.no_progress, position=getattr(state, "process_index", 0) if state else 0)
-    report = run_search(engine, heads, ps, budgets, rule=spec, max_new_tokens=args.max_new_tokens, union=union,
-                        union_nodes=args.union_nodes, depths=depths, methods=methods, held_out=args.held_out, seed=args.seed,
-                        max_calibration=args.max_prompts, max_eval=args.eval_prompts, max_held_out=args.held_out_prompts,
-                        decompose=not args.no_decompose,
-                        remeasure=args.remeasure, latency_repeats=args.latency_repeats, stats_method=args.stats_method,
-                        max_rank=args.max_rank, batch_size=args.batch_size, progress=bars, state=state, command=command,
-                        reuse_stats=args.stats, race_prompts=args.race, race_max_nodes=args.race_max_nodes,
-                        race_max_depth=args.race_max_depth)
-    if state is not None:
-        _end_distributed()
-    if report is None:
-        return 0
-    if args.tag:
-        report.provenance["tag"] = args.tag
-    files = report.write(args.out, save_trees_to=args.save_trees_to)
-    print(_summary_table(report))
-    for w in report.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    print(f"outputs: {files['search']}, {files['report']}, {files['frontier']}, {files['trees']}/"
-          + (f"; trees copied to {files['saved_trees']}/" if "saved_trees" in files else ""))
-    return 0
-
-
-def _summary_table(report: SearchReport) -> str:
+def summary_table(report: SearchReport) -> str:
     """The chosen trees (by tokens/s) and the reference: predicted vs held-out, one line each."""
     ho = report._held_out_rows()
     head = (f"{'budget':>6} {'nodes':>5} {'depth':>5} {'pred tau':>8} {'held tau':>8} {'pred tok/s':>10} {'held tok/s':>10} "
@@ -1551,49 +1459,24 @@ def score(engine, heads: str, tree: Tree, prompts: Sequence[Any], stats: Optiona
     })
 
 
-def cmd_score(args) -> int:
-    """score one draft tree: predicted (from statistics) and measured on-policy tau and tokens/s"""
-    from .models import describe_model
-
-    if args.max_new_tokens < 1 or args.max_new_tokens > MAX_NEW_TOKENS:
-        raise ValueError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}")
-    if args.max_prompts < 1:
-        raise ValueError("--max-prompts must be >= 1")
-    tree = resolve_tree(args.tree)
-    ps = _load_data(args.data)
-    stats = load_stats_any(args.stats) if args.stats else None
-    spec = _rule_from_args(args)
-    engine, heads = _engine_and_heads(args)
-    prompts = ps.prompts[: args.max_prompts]
-    res = score(engine, heads, tree, prompts, stats, rule=spec, max_new_tokens=args.max_new_tokens,
-                union_nodes=args.union_nodes, remeasure=args.remeasure, latency_repeats=args.latency_repeats,
-                stats_method=args.stats_method, max_rank=args.max_rank, batch_size=args.batch_size,
-                progress=_Bars(not args.no_progress))
-    res["provenance"] = {"model": describe_model(engine.model).get("name"), "heads": engine.runners[heads].label,
-                         "data": ps.source, "data_sha256": ps.sha256, "dtype": args.dtype, "device": str(engine.device),
-                         "machine": machine_info()}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    if args.json:
-        print(json.dumps(res))
-        return 0
+def score_lines(res: dict, tree_name: str) -> list[str]:
+    """`score`'s result as the lines `entmtp score` prints."""
     p, m, b = res["predicted"], res["measured"], res["baseline"]
-    print(f"tree {res['tree']['name'] or args.tree}: {tree.n_nodes} nodes, depth {tree.depth} {tree.depth_counts}; "
-          f"rule {res['rule']}; {res['n_prompts']} prompts")
-    print(f"  predicted ({res['statistics']}, {res['statistics_steps']} records): tau {p['tau']:.3f} ± {_fmt(p.get('tau_stderr'), 3)}, "
-          f"{_fmt(p.get('tokens_per_s'), 1)} tokens/s, speedup {_fmt(p.get('speedup'), 2)}x"
-          + (f" ({p['nodes_not_covered']} nodes the statistics do not cover: a lower bound)" if p.get("nodes_not_covered") else ""))
-    print(f"  measured on-policy: tau {_fmt(m.get('tau'), 3)} ± {_fmt(m.get('tau_stderr'), 3)}, {_fmt(m.get('tokens_per_s'), 1)} tokens/s "
-          f"(plain decoding {_fmt(b.get('tokens_per_s'), 1)}), speedup {_fmt(res.get('measured_speedup'), 2)}x")
+    t = res["tree"]
+    lines = [f"tree {t['name'] or tree_name}: {t['n_nodes']} nodes, depth {t['depth']} {t['depth_counts']}; "
+             f"rule {res['rule']}; {res['n_prompts']} prompts",
+             f"  predicted ({res['statistics']}, {res['statistics_steps']} records): tau {p['tau']:.3f} ± {_fmt(p.get('tau_stderr'), 3)}, "
+             f"{_fmt(p.get('tokens_per_s'), 1)} tokens/s, speedup {_fmt(p.get('speedup'), 2)}x"
+             + (f" ({p['nodes_not_covered']} nodes the statistics do not cover: a lower bound)" if p.get("nodes_not_covered") else ""),
+             f"  measured on-policy: tau {_fmt(m.get('tau'), 3)} ± {_fmt(m.get('tau_stderr'), 3)}, {_fmt(m.get('tokens_per_s'), 1)} tokens/s "
+             f"(plain decoding {_fmt(b.get('tokens_per_s'), 1)}), speedup {_fmt(res.get('measured_speedup'), 2)}x"]
     if res.get("explanation"):
-        print(f"  why they differ: {res['explanation']}")
-    for n in res.get("notes") or []:
-        print(f"  note: {n}")
-    return 0
+        lines.append(f"  why they differ: {res['explanation']}")
+    lines += [f"  note: {n}" for n in res.get("notes") or []]
+    return lines
 
 
 __all__ = ["greedy_trees", "optimal_subtrees", "positional_value_fn", "positional_values", "dp_support", "tree_id",
-           "Candidate", "score_tree", "search_trees", "frontier",
-           "pareto", "Measured", "evaluate_trees", "SearchReport", "run_search", "score", "load_stats_any", "explain_gap",
-           "add_search_arguments", "cmd_search", "add_score_arguments", "cmd_score"]
+           "Candidate", "score_tree", "search_trees", "frontier", "pareto", "Measured", "evaluate_trees", "SearchConfig",
+           "SearchReport", "run_search", "score", "score_lines", "load_stats_any", "explain_gap", "load_data",
+           "ProgressBars", "accelerate_state", "end_distributed", "summary_table"]

@@ -36,9 +36,9 @@ process writes checkpoints, reports and logs):
 6. **Output.** ``--out DIR/{name}-{medusa|hydra|hydrapp}`` in our checkpoint format
    (:func:`entmtp.checkpoints.save_heads`) plus ``DIR/train_report.json`` / ``.md``.
 
-Public API: :func:`add_arguments`, :func:`main` (returns an exit code; raises
-:class:`TrainError` with a one-line message for bad input), :func:`run_training` (returns a
-:class:`TrainResult` with the trained heads), and ``python -m entmtp.train``.
+Public API: :class:`TrainConfig`, :func:`run_training` (returns a :class:`TrainResult` with the
+trained heads; raises :class:`TrainError` with a one-line message for bad input) and :func:`main`
+(the same, spreading over CPU processes when ``accelerate launch --cpu`` asked for several).
 
 Several processes: ``accelerate launch --cpu --num_processes 2 -m entmtp train ...`` runs two
 CPU processes with gloo. accelerate 1.15 itself starts a *single* process for that command (its
@@ -54,7 +54,6 @@ times slower when another process competes for the cores.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import json
@@ -74,10 +73,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
+from .data import DataError, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
+from .models import ModelLoadError, load_base
 from .verify import last_positions
 
-__all__ = ["TrainError", "TrainResult", "add_arguments", "build_parser", "main", "run_training",
+__all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
            "KINDS", "lr_multiplier", "head_inputs"]
 
 # kind label -> (HeadsConfig.kind, prefix_layer, directory suffix)
@@ -100,92 +102,61 @@ class TrainError(ValueError):
 
 
 # ======================================================================================
-# arguments
+# configuration
 # ======================================================================================
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `entmtp train` options to `parser`."""
-    g = parser.add_argument_group("model and heads")
-    g.add_argument("--model", default="default",
-                   help="base model: 'default' (SmolLM2-135M-Instruct), a local directory, or a repo id")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the frozen base for generation and feature extraction "
-                        "(bfloat16 is 2-3x faster on CPUs with AMX)")
-    g.add_argument("--heads", default="medusa,hydra,hydra++",
-                   help="comma-separated head kinds trained jointly: medusa, hydra, hydra++")
-    g.add_argument("--num-heads", type=int, default=4, help="heads per kind (draft depth)")
-    g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    g.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from trained heads (fine-tune): a heads directory, or a directory of "
-                        "<name>-<medusa|hydra|hydrapp> heads as --out writes them; keeps their draft vocabulary; "
-                        "a larger --num-layers adds blocks that start as the identity")
-    g.add_argument("--draft-vocab", type=int, default=0,
-                   help="0 = full vocabulary; N = the N most frequent training answer tokens plus EOS")
+@dataclass
+class TrainConfig:
+    """Everything one training run needs (`entmtp train` builds it from its flags)."""
 
-    g = parser.add_argument_group("data")
-    g.add_argument("--data", required=True, help="prompt / conversation file (any format load_prompts reads)")
-    g.add_argument("--self-distill", action="store_true",
-                   help="answer every prompt with the base model itself and train on those answers")
-    g.add_argument("--gen-max-new-tokens", type=int, default=160)
-    g.add_argument("--gen-batch-size", type=int, default=32)
-    g.add_argument("--gen-temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    g.add_argument("--gen-time-budget-min", type=float, default=0.0,
-                   help="stop generating after this many minutes (0 = no limit); prompts left "
-                        "unanswered are skipped in this run and answered by a later run")
-    g.add_argument("--held-out", type=float, default=0.05, help="held-out fraction (seeded split)")
-    g.add_argument("--max-prompts", type=int, default=0,
-                   help="use at most this many training prompts (seeded sample; 0 = all)")
-    g.add_argument("--max-len", type=int, default=512, help="truncate sequences to this many tokens")
-
-    g = parser.add_argument_group("training")
-    g.add_argument("--epochs", type=float, default=3.0)
-    g.add_argument("--max-steps", type=int, default=0, help="cap on the planned steps (0 = epochs decide)")
-    g.add_argument("--time-budget-min", type=float, default=0.0,
-                   help="wall-clock budget of the whole command in minutes (0 = none); training "
-                        "stops cleanly when it is spent")
-    g.add_argument("--fit-schedule", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --time-budget-min: shrink the planned steps (once, after measuring "
-                        "the step time) so the LR schedule completes within the budget")
-    g.add_argument("--stop-after", type=int, default=0,
-                   help="stop (checkpoint and export) after this many steps of this invocation, "
-                        "keeping the planned schedule; continue later with --resume")
-    g.add_argument("--batch-size", type=int, default=4, help="sequences per optimizer step (global)")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--warmup", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--final-lr-mult", type=float, default=0.1)
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="per-kind gradient clipping (0 = off)")
-    g.add_argument("--lm-loss-weight", type=float, default=0.1)
-    g.add_argument("--teacher-loss-weight", type=float, default=1.0)
-    g.add_argument("--teacher-topk", type=int, default=16)
-    g.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
-                   help="autocast for the heads (fp32 master weights)")
-    g.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
-                   help="cache base features on disk (default: when training for more than one epoch)")
-    g.add_argument("--feature-batch-tokens", type=int, default=4096,
-                   help="padded tokens per base forward when extracting features")
-    g.add_argument("--feature-shard-size", type=int, default=128, help="sequences per feature-cache shard")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cpu", action="store_true", help="force CPU even if an accelerator is available")
-    g.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
-
-    g = parser.add_argument_group("evaluation, checkpoints, output")
-    g.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0 = only at the end)")
-    g.add_argument("--log-every", type=int, default=20)
-    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
-    g.add_argument("--work-dir", default="runs/train-work",
-                   help="self-distillation cache, feature cache, checkpoints (ckpt/) and logs")
-    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in WORK_DIR/ckpt")
-    g.add_argument("--out", default="runs/heads", help="output directory for the trained heads and the report")
-    g.add_argument("--name", default=None,
-                   help="checkpoint name prefix (default: smollm2-135m for the default model, else the model dir name)")
-    g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="entmtp train", description="Train Medusa / Hydra / Hydra++ draft heads on a frozen base model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(p)
-    return p
+    data: str  # prompt / conversation file (any format `load_prompts` reads)
+    # model and heads
+    model: str = "default"  # 'default' (SmolLM2-135M-Instruct), a local directory, or a repo id
+    dtype: str = "float32"  # of the frozen base, for generation and feature extraction
+    heads: str = "medusa,hydra,hydra++"  # comma-separated kinds trained jointly (recorded as given)
+    num_heads: int = 4  # heads per kind (draft depth)
+    num_layers: int = 1  # residual blocks per head
+    init_from: Optional[str] = None  # trained heads to fine-tune (see `_init_heads`)
+    draft_vocab: int = 0  # 0: full vocabulary; N: the N most frequent training answer tokens plus EOS
+    # data
+    self_distill: bool = False  # answer every prompt with the base model and train on those answers
+    gen_max_new_tokens: int = 160
+    gen_batch_size: int = 32
+    gen_temperature: float = 0.0  # 0: greedy
+    gen_time_budget_min: float = 0.0  # stop generating after this many minutes (0: no limit)
+    held_out: float = 0.05  # held-out fraction (seeded split)
+    max_prompts: int = 0  # at most this many training prompts (seeded sample; 0: all)
+    max_len: int = 512  # truncate sequences to this many tokens
+    # training
+    epochs: float = 3.0
+    max_steps: int = 0  # cap on the planned steps (0: epochs decide)
+    time_budget_min: float = 0.0  # wall-clock budget of the whole run (0: none)
+    fit_schedule: bool = True  # with a time budget: shrink the planned steps so the LR schedule completes
+    stop_after: int = 0  # stop (checkpoint and export) after this many steps of this invocation
+    batch_size: int = 4  # sequences per optimizer step (global)
+    lr: float = 1e-3
+    warmup: int = 30
+    weight_decay: float = 0.0
+    final_lr_mult: float = 0.1
+    max_grad_norm: float = 1.0  # per-kind gradient clipping (0: off)
+    lm_loss_weight: float = 0.1
+    teacher_loss_weight: float = 1.0
+    teacher_topk: int = 16
+    mixed_precision: str = "no"  # no | bf16 | fp16: autocast for the heads (fp32 master weights)
+    cache_features: Optional[bool] = None  # None: cache when training for more than one epoch
+    feature_batch_tokens: int = 4096  # padded tokens per base forward when extracting features
+    feature_shard_size: int = 128  # sequences per feature-cache shard
+    seed: int = 0
+    cpu: bool = False  # force CPU even if an accelerator is available
+    threads: int = 0  # torch threads per process (0: torch default)
+    # evaluation, checkpoints, output
+    eval_every: int = 200  # 0: only at the end
+    log_every: int = 20
+    save_every: int = 200  # 0: only at the end
+    work_dir: str = "runs/train-work"  # self-distillation cache, feature cache, checkpoints (ckpt/) and logs
+    resume: bool = False  # continue from the checkpoint in work_dir/ckpt
+    out: str = "runs/heads"  # the trained heads and the report
+    name: Optional[str] = None  # checkpoint name prefix (default: from the model)
+    save_dtype: str = "float32"
 
 
 def parse_kinds(text: str) -> list[str]:
@@ -204,7 +175,7 @@ def parse_kinds(text: str) -> list[str]:
     return kinds
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: TrainConfig) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise TrainError(msg)
@@ -230,6 +201,8 @@ def _validate(args: argparse.Namespace) -> None:
          "--feature-batch-tokens and --feature-shard-size must be >= 1")
     need(args.eval_every >= 0 and args.save_every >= 0 and args.log_every >= 0, "--eval/save/log-every must be >= 0")
     need(args.max_prompts >= 0, "--max-prompts must be >= 0")
+    need(bool(str(args.data or "").strip()), "give a data file (--data)")
+    need(args.mixed_precision in ("no", "bf16", "fp16"), f"--mixed-precision must be no, bf16 or fp16, got {args.mixed_precision!r}")
 
 
 # ======================================================================================
@@ -365,30 +338,9 @@ class _Ctx:
 # ======================================================================================
 def _load_base(spec: str, dtype: str, device, progress) -> tuple[Any, Any]:
     try:
-        from .models import ModelLoadError, load_base
-    except ImportError:  # pragma: no cover - models.py not available: plain transformers
-        return _load_base_plain(spec, dtype, device)
-    try:
         return load_base(spec, dtype=dtype, device=device, progress=progress)
     except ModelLoadError as e:
         raise TrainError(str(e)) from None
-
-
-def _load_base_plain(spec: str, dtype: str, device):  # pragma: no cover - fallback only
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if spec == "default":
-        raise TrainError("the default model needs entmtp.models; pass --model PATH")
-    try:
-        tok = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype)).to(device).eval()
-    except Exception as e:  # noqa: BLE001
-        raise TrainError(f"cannot load model {spec!r}: {type(e).__name__}: {e}") from None
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if tok.pad_token is None and tok.eos_token is not None:
-        tok.pad_token = tok.eos_token
-    return model, tok
 
 
 def _model_fingerprint(model, spec: str, dtype: str) -> str:
@@ -460,8 +412,6 @@ def _generation_order(prompts: list, prompt_ids: dict[str, list[int]], held_keys
 def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: set[str], model_fp: str,
                   work: Path, deadline: Optional[float]) -> tuple[dict[str, dict], dict]:
     """Answer every prompt with the base model (cached JSONL, resumable). Returns (records by key, stats)."""
-    from .data import render_prompt
-
     gen_cfg = {"fmt": SELFDISTILL_FORMAT, "model": model_fp, "max_new": args.gen_max_new_tokens,
                "temperature": args.gen_temperature, "seed": args.seed if args.gen_temperature > 0 else None}
     tag = _sha256_json(gen_cfg)[:12]
@@ -584,8 +534,6 @@ def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: s
 # ======================================================================================
 def _build_sequences(ctx: _Ctx, args, tokenizer, train_p: list, held_p: list,
                      sd_records: Optional[dict[str, dict]], prompt_ids: Optional[dict]) -> tuple[list[Seq], dict]:
-    from .data import DataError, render_conversation, render_prompt
-
     seqs: list[Seq] = []
     info = Counter()
     for split, plist in (("train", train_p), ("held", held_p)):
@@ -621,7 +569,7 @@ def _build_sequences(ctx: _Ctx, args, tokenizer, train_p: list, held_p: list,
     return seqs, dict(info)
 
 
-def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_config,
+def _init_heads(path: str, kinds: list[str], args: TrainConfig, base_config,
                 eos: list[int]) -> dict[str, tuple[Path, DraftHeads]]:
     """Trained heads to start each kind from (--init-from), checked against this run's settings.
 
@@ -629,8 +577,6 @@ def _init_heads(path: str, kinds: list[str], args: argparse.Namespace, base_conf
     `*-{medusa|hydra|hydrapp}` heads directory per kind. Every kind must share one draft
     vocabulary (the feature cache and the teacher targets are built on it).
     """
-    from .checkpoints import CONFIG_FILE, CheckpointError, load_heads
-
     root = Path(path).expanduser()
     if not root.is_dir():
         raise TrainError(f"--init-from {path}: no such directory")
@@ -1213,7 +1159,7 @@ class TrainResult:
     extra: dict = field(default_factory=dict)
 
 
-def run_training(args: argparse.Namespace) -> TrainResult:
+def run_training(args: TrainConfig) -> TrainResult:
     """Run the whole pipeline; raises TrainError on bad input. See the module docstring."""
     t_start = time.time()
     _validate(args)
@@ -1223,8 +1169,6 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         torch.set_num_threads(args.threads)
 
     from accelerate import Accelerator
-
-    from .data import DataError, load_prompts, split_prompts
 
     # ---- data (before the model: a bad file fails fast) ------------------------------------
     data_path = Path(args.data).expanduser()
@@ -1546,8 +1490,6 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         out_dirs[kind] = d
         kinds_report[kind] = {"dir": str(d), "params": count_parameters(h), "metrics": metrics}
         if ctx.main:
-            from .checkpoints import save_heads
-
             save_heads(h, d, meta, dtype=save_dtype)
     report = {"command": command, "argv": list(sys.argv), "model": {"spec": args.model, "name": base_name,
               "fingerprint": model_fp, "dtype": args.dtype, "vocab_size": cfg_vocab},
@@ -1566,12 +1508,10 @@ def run_training(args: argparse.Namespace) -> TrainResult:
 
 
 def _command_line() -> str:
-    """The command as typed: `entmtp train ...`, `python -m entmtp[.train] ...` or the raw argv."""
+    """The command as typed: `entmtp train ...`, `python -m entmtp ...` or the raw argv."""
     argv = list(sys.argv) or [""]
     first = argv[0].replace("\\", "/")
-    if first.endswith("entmtp/train.py"):
-        head = ["python", "-m", "entmtp.train"]
-    elif first.endswith("entmtp/__main__.py"):
+    if first.endswith("entmtp/__main__.py"):
         head = ["python", "-m", "entmtp"]
     elif Path(first).name == "entmtp":
         head = ["entmtp"]
@@ -1672,32 +1612,11 @@ def _fan_out_cpu(n: int, argv: list[str]) -> int:
     return 0
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: TrainConfig) -> int:
     """`entmtp train`: returns 0 on success; raises TrainError (one line) on bad input."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     n = requested_cpu_processes()
     if n > 1:
-        argv = sys.argv[1:]
-        if not argv or argv[0] != "train":  # started as `python -m entmtp.train ...`
-            argv = ["train", *argv]
-        return _fan_out_cpu(n, argv)
+        return _fan_out_cpu(n, sys.argv[1:])
     run_training(args)
     return 0
-
-
-def _cli(argv: Optional[list[str]] = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
-    try:
-        return main(args)
-    except TrainError as e:
-        msg = " ".join(str(e).split())
-        print(f"entmtp train: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("entmtp train: interrupted (resume with --resume)", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())

@@ -36,16 +36,14 @@ def main() -> int:
     args = ap.parse_args()
 
     from entmtp.bench import take_per_category
-    from entmtp.cli import load_engine_for
+    from entmtp.methods import ModelOptions, load_engine_for
     from entmtp.data import load_prompts, render_prompt, split_prompts
     from entmtp.decoding import DecodeConfig
     from entmtp.scheduler import Scheduler
     from entmtp.trees import Tree
 
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
-    ns = argparse.Namespace(threads=None, base=None, model=args.model, heads=None, dtype=args.dtype, device="cpu",
-                            device_map=None, kernels="auto")
-    engine = load_engine_for(ns, heads)
+    engine = load_engine_for(ModelOptions(model=args.model, dtype=args.dtype), heads)
     D = args.depth
     print(f"| prompts | heads | steps | " + " | ".join(f"P(accept >= {d})" for d in range(1, D + 1)) + f" | tau of chain_{D} |")
     print("|---|---|---:|" + "---:|" * (D + 1))

@@ -57,17 +57,15 @@ def main() -> int:
     if not variants or args.n < 1:
         ap.error("give at least one variant and --n >= 1")
 
-    from entmtp.cli import build_scheduler, load_engine_for
+    from entmtp.methods import ModelOptions, build_scheduler, load_engine_for
     from entmtp.data import load_prompts, render_prompt
     from entmtp.decoding import DecodeConfig
 
     heads = None if args.heads == "none" else args.heads
-    eng = load_engine_for(argparse.Namespace(threads=None, base=None, model=args.model, heads=None, dtype=args.dtype,
-                                             device="cpu", device_map=None, kernels="auto"), [heads] if heads else [])
+    eng = load_engine_for(ModelOptions(model=args.model, dtype=args.dtype), [heads] if heads else [])
     sched = None
     if heads:
-        sched = build_scheduler(eng, heads, argparse.Namespace(tree=args.tree, scheduler=None, bank=None,
-                                                                method="hydra" if args.tree else "entmtp"))
+        sched = build_scheduler(eng, heads, "hydra" if args.tree else "entmtp", tree=args.tree)
     prompts = list(load_prompts(args.data).prompts)
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[-args.n:]

@@ -51,7 +51,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from entmtp.calibrate import CalibrationStats
-    from entmtp.cli import load_engine_for
+    from entmtp.methods import ModelOptions, load_engine_for
     from entmtp.data import load_prompts, split_prompts
     from entmtp.search import race_proposals, race_trees
     from entmtp.trees import Tree, resolve_tree
@@ -69,9 +69,7 @@ def main() -> int:
             trees.append(t)
             predicted[t.key()] = stats.predict_tau(t)
 
-    ns = argparse.Namespace(threads=None, base=None, model=args.model, heads=None, dtype=args.dtype, device="cpu",
-                            device_map=None, kernels="auto")
-    engine = load_engine_for(ns, [args.heads])
+    engine = load_engine_for(ModelOptions(model=args.model, dtype=args.dtype), [args.heads])
     _, held = split_prompts(load_prompts(args.data).prompts, args.held_out, args.seed)
     held = held[args.skip: args.skip + args.prompts]
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from entmtp.cli import default_tree
+from entmtp.methods import default_tree
 from entmtp.decoding import DecodeConfig
 from entmtp.models import HEAD_KINDS, load_engine
 

@@ -140,7 +140,7 @@ def test_make_scheduler_errors():
 
 
 def test_recorded_defaults_are_chosen_per_dtype():
-    from entmtp.cli import default_tree
+    from entmtp.methods import default_tree
     from entmtp.scheduler import default_bank_path, recorded_default
 
     m = tiny_model("llama", vocab=VOCAB, seed=7)
@@ -168,9 +168,7 @@ def test_recorded_defaults_are_chosen_per_dtype():
 def test_lookup_min_ngram_is_recorded_per_dtype_and_hardware():
     """The shortest grafted lookup match comes from the heads' meta for this dtype and hardware
     class (like their trees), else the method's default; flags override; baseline never looks up."""
-    import argparse
-
-    from entmtp.cli import DEFAULT_LOOKUP, method_lookup
+    from entmtp.methods import DEFAULT_LOOKUP, method_lookup
     from entmtp.hardware import hardware_class
 
     m = tiny_model("llama", vocab=VOCAB, seed=7)
@@ -178,14 +176,14 @@ def test_lookup_min_ngram_is_recorded_per_dtype_and_hardware():
     eng = Engine(m, None, {"hydra": heads})
     here = hardware_class("cpu")
     heads.meta = {"default_lookup_min_ngram_float32@cpu-other": 3}
-    assert method_lookup("entmtp", None, eng, "hydra") == {"lookup": DEFAULT_LOOKUP["entmtp"][0], "lookup_min_ngram": 1}
+    assert method_lookup("entmtp", eng, "hydra") == {"lookup": DEFAULT_LOOKUP["entmtp"][0], "lookup_min_ngram": 1}
     heads.meta[f"default_lookup_min_ngram_float32@{here}"] = 2  # the engine is float32, on this class
-    assert method_lookup("entmtp", None, eng, "hydra")["lookup_min_ngram"] == 2
-    assert method_lookup("entmtp", None, None, "hydra")["lookup_min_ngram"] == 1  # no engine: nothing recorded
-    flags = argparse.Namespace(lookup=6, lookup_min_ngram=3)
-    assert method_lookup("entmtp", flags, eng, "hydra") == {"lookup": 6, "lookup_min_ngram": 3}
-    assert method_lookup("hydra", argparse.Namespace(lookup=None, lookup_min_ngram=None), eng, "hydra")["lookup"] == 0
-    assert method_lookup("baseline", flags, eng, "hydra") == {"lookup": 0, "lookup_min_ngram": 1}
+    assert method_lookup("entmtp", eng, "hydra")["lookup_min_ngram"] == 2
+    assert method_lookup("entmtp", None, "hydra")["lookup_min_ngram"] == 1  # no engine: nothing recorded
+    flags = {"lookup": 6, "min_ngram": 3}
+    assert method_lookup("entmtp", eng, "hydra", **flags) == {"lookup": 6, "lookup_min_ngram": 3}
+    assert method_lookup("hydra", eng, "hydra", lookup=None, min_ngram=None)["lookup"] == 0
+    assert method_lookup("baseline", eng, "hydra", **flags) == {"lookup": 0, "lookup_min_ngram": 1}
     heads.meta[f"default_lookup_min_ngram_float32@{here}"] = "2"  # a malformed checkpoint is an error, not ignored
     with pytest.raises(ValueError, match="default_lookup_min_ngram '2'"):
-        method_lookup("entmtp", None, eng, "hydra")
+        method_lookup("entmtp", eng, "hydra")

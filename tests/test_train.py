@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+from entmtp import cli
 from entmtp import train as T
 from entmtp.checkpoints import load_heads
 from entmtp.heads import DraftHeads, HeadsConfig
@@ -111,7 +112,12 @@ def _args(tiny_dir, data_file, tmp_path, *extra: str, tag: str = "run"):
             "--eval-every", "0", "--save-every", "0", "--log-every", "1", "--max-len", "64", "--held-out", "0.15",
             "--work-dir", str(tmp_path / f"{tag}-work"), "--out", str(tmp_path / f"{tag}-out"), "--cpu",
             "--epochs", "50", *extra]
-    return T.build_parser().parse_args(argv)
+    return _cfg(argv)
+
+
+def _cfg(argv: list[str]) -> T.TrainConfig:
+    """The TrainConfig `entmtp train ARGV` runs with."""
+    return cli.train_config(cli.build_parser().parse_args(["train", *argv]))
 
 
 def _train_losses(report: dict, label: str) -> list[float]:
@@ -381,7 +387,7 @@ def test_self_distill_generates_resumes_and_trains(tiny_dir, tmp_path):
     prompts.write_text("\n".join(f"tell about the {w} please" for w in WORDS[:14]) + "\n")
     common = ("--self-distill", "--gen-max-new-tokens", "8", "--gen-batch-size", "4", "--max-steps", "4",
               "--heads", "medusa,hydra", "--held-out", "0.2")
-    args = T.build_parser().parse_args(
+    args = _cfg(
         ["--model", str(tiny_dir), "--data", str(prompts), "--work-dir", str(tmp_path / "w"), "--out",
          str(tmp_path / "o"), "--cpu", "--log-every", "0", "--batch-size", "4", *common])
     res = T.run_training(args)
@@ -413,7 +419,7 @@ def test_errors_are_one_line(tiny_dir, data_file, tmp_path):
         argv = ["--model", str(tiny_dir), "--data", str(data or data_file), "--work-dir", str(tmp_path / "w"),
                 "--out", str(tmp_path / "o"), "--cpu", *extra]
         with pytest.raises(T.TrainError) as e:
-            T.main(T.build_parser().parse_args(argv))
+            T.main(_cfg(argv))
         msg = str(e.value)
         assert "\n" not in msg
         return msg
@@ -432,13 +438,13 @@ def test_errors_are_one_line(tiny_dir, data_file, tmp_path):
 
 def test_cli_error_without_traceback(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "entmtp.train", "--data", str(tmp_path / "nope.jsonl"), "--cpu",
+    r = subprocess.run([sys.executable, "-m", "entmtp", "train", "--data", str(tmp_path / "nope.jsonl"), "--cpu",
                         "--work-dir", str(tmp_path / "w")],
                        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     err_lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(err_lines) == 1 and err_lines[0].startswith("entmtp train: error: data file not found")
+    assert len(err_lines) == 1 and err_lines[0].startswith("error: data file not found")
 
 
 def test_accelerate_launch_two_processes(tiny_dir, data_file, tmp_path):
@@ -470,7 +476,7 @@ def test_accelerate_launch_two_processes(tiny_dir, data_file, tmp_path):
     log = [json.loads(x) for x in (work / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log if x["type"] == "train"] == [2, 4, 6]
     # same data order and globally normalized loss: one process gives the same heads
-    single = T.run_training(T.build_parser().parse_args(
+    single = T.run_training(_cfg(
         [*train_args, "--work-dir", str(tmp_path / "w1"), "--out", str(tmp_path / "o1")]))
     for label, suffix in (("medusa", "medusa"), ("hydra++", "hydrapp")):
         a = load_heads(out / f"tiny-llama0-{suffix}").state_dict()

@@ -1,0 +1,311 @@
+"""The decoding methods, written once: name -> label, heads, scheduler, prompt-lookup defaults,
+and the runner that decodes with it. The CLI, the bench, the topology lab and the app all read
+this registry, so a method means the same thing in every one of them.
+
+A method's heads are a kind ("medusa", "hydra", "hydra++"), `FAMILY` (the best Hydra-family
+heads loaded: Hydra++ first) or None (no drafting). With user-supplied heads (`--heads PATH`)
+the engine holds one head set named "custom" and every method with heads decodes with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from . import scheduler as sched
+from .autotune import bank_file, tuned_trees
+from .decoding import DecodeConfig, Engine, GenerationResult
+from .models import load_engine
+from .trees import TREES_DIR, Tree, resolve_tree
+
+FAMILY = "hydra-family"
+HYDRA_FAMILY = ("hydra++", "hydra")  # best first: methods with FAMILY heads take the best one loaded
+CUSTOM = "custom"  # the name of user-supplied heads (`--heads PATH_OR_ID`) in the engine
+
+
+class MethodError(ValueError):
+    """A method that does not exist or cannot run here (one-line message)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method.
+
+    heads: None (no drafting), a heads kind, or FAMILY. scheduler: the tree policy of a method
+    with heads ("static", "entropy", "dynamic"). lookup: (chain length, shortest grafted n-gram)
+    of the prompt-lookup branch when no flag or checkpoint says otherwise (0: none).
+    ours: decoded by entmtp's engine; False for transformers' `generate`.
+    """
+
+    name: str
+    label: str
+    heads: Optional[str] = None
+    scheduler: Optional[str] = None
+    lookup: tuple[int, int] = (0, 1)
+    ours: bool = True
+    about: str = ""
+
+
+# Prompt lookup: entmtp grafts copied context spans onto its trees; "lookup" is our prompt-lookup
+# decoding (no heads); the others are pure heads. entmtp: 4 tokens (4 -> 8 gained 1% tau for 17% more
+# nodes) after any match. Where a tree row is dear the heads' checkpoint records a longer shortest
+# match per dtype and hardware class (`default_lookup_min_ngram_<dtype>@<class>`, like its trees):
+# bf16 on an AVX2 CPU without bf16 units grafts after >= 2-token matches, since a one-token match
+# grafted a branch on most steps for ~2% more tau and decoded 4-7% slower; in float32 there, where
+# rows are nearly free, it did not (measured on the 2-core AVX2 EPYC: `python scripts/compare_lookup.py`).
+_ALL = (
+    Method("hf", "HF generate, greedy", ours=False, about="transformers' greedy `generate`"),
+    Method("pld", "HF prompt-lookup decoding", ours=False, about="transformers' prompt-lookup decoding"),
+    Method("baseline", "baseline (our plain loop)", about="our autoregressive loop, one token per forward"),
+    Method("lookup", "prompt lookup (ours)", lookup=(8, 1), about="a chain copied from the context, no heads"),
+    Method("medusa", "Medusa", "medusa", "static", about="Medusa heads, their best static tree"),
+    Method("hydra", "Hydra", "hydra", "static", about="Hydra heads, their best static tree"),
+    Method("hydra++", "Hydra++", "hydra++", "static", about="Hydra++ heads, their best static tree"),
+    Method("entmtp", "entmtp", FAMILY, "entropy", lookup=(4, 1),
+           about="best Hydra-family heads + entropy-aware tree scheduler + a prompt-lookup branch"),
+    Method("dynamic", "dynamic trees", FAMILY, "dynamic", about="best Hydra-family heads + EAGLE-2 style dynamic trees"),
+)
+METHODS: dict[str, Method] = {m.name: m for m in _ALL}
+OUR_METHODS = tuple(m.name for m in _ALL if m.ours)  # what `entmtp generate --method` accepts
+HEAD_KINDS = ("medusa", "hydra", "hydra++")
+DEFAULT_LOOKUP = {m.name: m.lookup for m in _ALL if m.lookup[0]}
+
+
+def get_method(name: str) -> Method:
+    m = METHODS.get(name)
+    if m is None:
+        raise MethodError(f"unknown method {str(name)[:40]!r} (choose from {', '.join(METHODS)})")
+    return m
+
+
+def parse_methods(text: str | Iterable[str], allowed: Iterable[str] = tuple(METHODS)) -> list[str]:
+    """'hf,baseline,entmtp' -> names, each checked against `allowed`."""
+    names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    allowed = tuple(allowed)
+    bad = [m for m in names if m not in allowed]
+    if bad:
+        raise MethodError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
+    if not names:
+        raise MethodError("no methods given")
+    return names
+
+
+def best_hydra(available: Iterable[str]) -> Optional[str]:
+    """The best Hydra-family heads among `available` names (Hydra++ first), or None."""
+    have = set(available)
+    return next((h for h in HYDRA_FAMILY if h in have), None)
+
+
+def method_heads(method: str, runners: Optional[Iterable[str]] = None) -> Optional[str]:
+    """Name of the heads `method` decodes with among the engine's loaded `runners` (None: no
+    heads). Without `runners`: the embedded heads it would load (Hydra++ for the family)."""
+    kind = get_method(method).heads
+    if kind is None:
+        return None
+    have = set(runners) if runners is not None else set()
+    if CUSTOM in have:
+        return CUSTOM
+    if kind == FAMILY:
+        return best_hydra(have) or HYDRA_FAMILY[0]
+    return kind
+
+
+def heads_to_load(methods: Iterable[str]) -> list[str]:
+    """The embedded head sets these methods need."""
+    return sorted({h for h in (method_heads(m) for m in methods) if h is not None})
+
+
+def method_lookup(method: str, engine=None, heads: Optional[str] = None, *, lookup: Optional[int] = None,
+                  min_ngram: Optional[int] = None) -> dict:
+    """A method's prompt-lookup fields of `DecodeConfig` ({"lookup": chain length, "lookup_min_ngram":
+    shortest grafted n-gram}): `lookup` / `min_ngram` when given (the chain length for every method
+    with heads), else what the method's `heads` on `engine` record for its dtype and hardware, else
+    the registry's default; baseline never looks up."""
+    m = get_method(method)
+    if not m.ours or method == "baseline":
+        return {"lookup": 0, "lookup_min_ngram": 1}
+    length, shortest = m.lookup
+    recorded = sched.recorded_default(engine, heads, "default_lookup_min_ngram") if engine is not None and heads else None
+    if recorded is not None:
+        if type(recorded) is not int or not 1 <= recorded <= 3:
+            raise ValueError(f"the {heads} heads record default_lookup_min_ngram {recorded!r}; it must be 1, 2 or 3")
+        shortest = recorded
+    if lookup is not None and method != "lookup":
+        length = lookup
+    if min_ngram is not None:
+        shortest = min_ngram
+    return {"lookup": length, "lookup_min_ngram": shortest}
+
+
+def _stderr(s: str) -> None:
+    print(s, file=sys.stderr)
+
+
+def default_tree(engine, heads: str, progress: Optional[Callable[[str], object]] = _stderr) -> Tree:
+    """The tree chosen for these heads on this machine (`autotune.tuned_trees`: shipped acceptance
+    statistics scored with latencies measured here, cached), else the tree the heads record, else
+    mc_sim_7b_63 cut to the heads' depth."""
+    depth = engine.runners[heads].config.num_heads
+    tuned = tuned_trees(engine, heads, progress=progress)
+    if tuned is not None:
+        return tuned.tree.truncated(depth)
+    name = sched.recorded_default(engine, heads, "default_tree")
+    if name and (TREES_DIR / name).is_file():
+        return resolve_tree(str(TREES_DIR / name)).truncated(depth)
+    return resolve_tree("mc_sim_7b_63").truncated(depth)
+
+
+def build_scheduler(engine, heads: str, method: str = "hydra", *, tree: Optional[str] = None,
+                    scheduler: Optional[str] = None, bank: Optional[str] = None,
+                    progress: Optional[Callable[[str], object]] = _stderr) -> sched.Scheduler:
+    """The tree policy `method` decodes `heads` with: `tree` (a file or name; default: the tree
+    chosen for these heads here), `scheduler` (default: the method's), `bank` (entropy scheduler;
+    default: tuned on this machine, else the bank the heads record)."""
+    t = resolve_tree(tree) if tree else default_tree(engine, heads, progress)
+    name = scheduler or get_method(method).scheduler or "static"
+    if name == "static":
+        return sched.Scheduler(t)
+    if bank is None and name == "entropy":
+        bank = bank_file(engine, heads)
+    return sched.make_scheduler(name, engine=engine, heads=heads, tree=t, bank=bank)
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+@dataclass
+class ModelOptions:
+    """Which base and heads to load, and how (the CLI's model flags)."""
+
+    model: str = "default"  # "default" (embedded SmolLM2 + our heads), a local path or a repo id
+    heads: Optional[str] = None  # user-supplied heads (directory or repo id), loaded as CUSTOM
+    dtype: str = "float32"
+    device: str = "cpu"
+    device_map: Optional[str] = None
+    threads: int = 0  # 0: measured on this machine (or ENTMTP_THREADS)
+    kernels: str = "auto"
+
+
+def load_engine_for(opts: ModelOptions, methods: Iterable[str],
+                    progress: Optional[Callable[[str], object]] = _stderr) -> Engine:
+    """An engine holding the base and the heads `methods` decode with."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    if opts.threads:
+        os.environ["ENTMTP_THREADS"] = str(opts.threads)  # the engine's tuning keeps it instead of measuring
+        torch.set_num_threads(opts.threads)
+    if opts.heads:
+        heads = {CUSTOM: opts.heads}
+    else:
+        wanted = heads_to_load(methods)
+        if wanted and opts.model != "default":
+            raise MethodError(f"--model {opts.model} has no embedded heads: pass --heads PATH_OR_ID")
+        heads = {h: h for h in wanted}
+    # a refused kernels="packed" is a ValueError: one line like every user error
+    return load_engine(opts.model, heads, dtype=opts.dtype, device=opts.device, device_map=opts.device_map,
+                       kernels=opts.kernels, progress=progress)
+
+
+# ---- runners ----------------------------------------------------------------------------------------
+
+@dataclass
+class Output:
+    """What one decoding produced: the new tokens, base forwards, seconds of engine bookkeeping
+    and of whole steps (0 for transformers' methods) and, for ours, the engine's trace."""
+
+    tokens: list[int]
+    forwards: int
+    bookkeeping_s: float = 0.0
+    step_s: float = 0.0
+    result: Optional[GenerationResult] = None
+
+
+class ForwardCounter:
+    """Counts base-model forwards (a forward pre-hook), to get tau for transformers' methods."""
+
+    def __init__(self, model):
+        self.n = 0
+        self._h = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+    def close(self):
+        self._h.remove()
+
+
+def hf_generate(engine, ids: list[int], max_new_tokens: int, **extra) -> Output:
+    """transformers' greedy `generate` on the engine's model (extra: e.g. prompt_lookup_num_tokens)."""
+    eos = engine.eos_ids()
+    x = torch.tensor([ids], device=engine.device)
+    c = ForwardCounter(engine.model)
+    try:
+        with torch.inference_mode():
+            out = engine.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=list(eos) or None, pad_token_id=(eos[0] if eos else None), **extra)
+    finally:
+        c.close()
+    return Output(out[0, len(ids):].tolist(), c.n)
+
+
+@dataclass
+class Runner:
+    """A method made ready on one engine: call it with prompt ids to decode them.
+
+    heads / scheduler / config: what our engine decodes with (None for transformers' methods)."""
+
+    method: Method
+    engine: Engine
+    max_new_tokens: int
+    heads: Optional[str] = None
+    scheduler: Optional[sched.Scheduler] = None
+    config: Optional[DecodeConfig] = None
+    pld_tokens: int = 10
+
+    @property
+    def label(self) -> str:
+        """The method's label, with the tree or scheduler it decodes with."""
+        s = self.scheduler
+        if s is None:
+            return self.method.label
+        what = s.trees[0].name if type(s) is sched.Scheduler and len(s.trees) == 1 else f"{s.name} scheduler"
+        extra = " + prompt lookup" if self.config is not None and self.config.lookup and self.method.name != "lookup" else ""
+        return f"{self.method.label} · {what}{extra}"
+
+    def __call__(self, ids: list[int]) -> Output:
+        if not self.method.ours:
+            extra = {"prompt_lookup_num_tokens": self.pld_tokens} if self.method.name == "pld" else {}
+            return hf_generate(self.engine, ids, self.max_new_tokens, **extra)
+        r = self.engine.run(ids, heads=self.heads, scheduler=self.scheduler, config=self.config)
+        return Output(list(r.tokens), 1 + sum(1 for s in r.steps if s.time_verify > 0),
+                      sum(s.time_bookkeeping for s in r.steps), sum(s.time_total for s in r.steps), r)
+
+
+def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optional[str] = None,
+                scheduler: Optional[str] = None, bank: Optional[str] = None, lookup: Optional[int] = None,
+                lookup_min_ngram: Optional[int] = None, pld_tokens: int = 10, config: Optional[DecodeConfig] = None,
+                progress: Optional[Callable[[str], object]] = _stderr) -> Runner:
+    """`method` ready to decode on `engine` (greedy unless `config` says otherwise; its
+    max_new_tokens and lookup fields are set here). tree / scheduler / bank: see `build_scheduler`."""
+    m = get_method(method)
+    if not m.ours:
+        return Runner(m, engine, max_new_tokens, pld_tokens=pld_tokens)
+    heads = method_heads(method, engine.runners)
+    if heads is not None and heads not in engine.runners:
+        raise MethodError(f"{method} needs {heads} heads, which are not loaded (have: {', '.join(engine.runners) or 'none'})")
+    s = build_scheduler(engine, heads, method, tree=tree, scheduler=scheduler, bank=bank, progress=progress) if heads else None
+    look = method_lookup(method, engine, heads, lookup=lookup, min_ngram=lookup_min_ngram)
+    cfg = dataclasses.replace(config or DecodeConfig(), max_new_tokens=max_new_tokens, **look)
+    return Runner(m, engine, max_new_tokens, heads, s, cfg, pld_tokens)
+
+
+__all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS", "HEAD_KINDS",
+           "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "heads_to_load", "method_lookup",
+           "default_tree", "build_scheduler", "ModelOptions", "load_engine_for", "Output", "ForwardCounter", "hf_generate",
+           "Runner", "make_runner"]
