@@ -8,7 +8,7 @@ prepacked one there and loses on an AVX2 EPYC. So at first load a short probe (`
 a few seconds for a 135M model) runs every kernel set that can run here (`kernels.KERNEL_SETS`)
 and measures, on the real model with random tokens after a cached context:
 
-* the step latency for 1, 2, 4, ... tree rows (`ms_by_rows`);
+* the step latency for 1, 2, 4, ... tree rows (`ms_by_rows`, fastest of interleaved repeats);
 * row invariance, bitwise: the logits of a chain of R rows verified in one forward against R
   one-row steps. Where they are equal, tree verification computes exactly what the plain loop
   computes, so greedy speculation emits exactly the plain loop's tokens.
@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ CUDA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 @dataclass
 class KernelTrial:
-    """One kernel set measured on one model: latency per row count (median ms) and row invariance."""
+    """One kernel set measured on one model: latency per row count (ms, fastest of the repeats) and row invariance."""
 
     name: str
     why: str = ""  # what the set is, or why it cannot run here
@@ -183,19 +182,21 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
     cache = decoding_cache(twin)
     forward(twin, rand(context), cache)
     past = context
-    for r in rows:
-        ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
-        mask = _chain_mask(r, past, model.dtype, dev)
-        times = []
-        for k in range(repeats + 1):  # the first untimed: per-shape kernel set-up
+    inputs = {r: (rand(r), (past + torch.arange(r, device=dev))[None], _chain_mask(r, past, model.dtype, dev))
+              for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    # row counts interleaved, fastest of the repeats: a burst of load elsewhere on the machine then
+    # slows one sample of each size, not every sample of one size
+    for k in range(repeats + 1):  # the first round untimed: per-shape kernel set-up
+        for r, (ids, pos, mask) in inputs.items():
             synchronize(dev)
             t = time.perf_counter()
             forward(twin, ids, cache, mask=mask, position_ids=pos)
             synchronize(dev)
             if k:
-                times.append(time.perf_counter() - t)
+                times[r].append(time.perf_counter() - t)
             cache.crop(-r)
-        trial.ms_by_rows[r] = statistics.median(times) * 1e3
+    trial.ms_by_rows = {r: min(ts) * 1e3 for r, ts in times.items()}
     for r in check_rows:
         ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
         tree_logits, _ = forward(twin, ids, cache, mask=_chain_mask(r, past, model.dtype, dev), position_ids=pos)
