@@ -74,12 +74,15 @@ def keep_cache_entries(cache, past: int, path: list[int], n_tree: int) -> None:
         if n_tree > a:
             cache.crop(-(n_tree - a))  # transformers 5: a negative count removes positions
         return
-    sel = torch.tensor(path, dtype=torch.long)
+    sel = torch.tensor(path, dtype=torch.long) + past
+    on_device: dict = {}  # one host-to-device copy per device (layers may live on several GPUs), not per layer
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue
-        s = sel.to(keys.device) + past
+        s = on_device.get(keys.device)
+        if s is None:
+            s = on_device[keys.device] = sel.to(keys.device)
         # index_select copies first, so writing into the same storage is safe.
         keys[:, :, past: past + a] = keys.index_select(-2, s)
         layer.values[:, :, past: past + a] = layer.values.index_select(-2, s)
