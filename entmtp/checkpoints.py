@@ -18,15 +18,9 @@ from typing import Any, Optional
 
 import torch
 
+from . import published  # the published formats live apart from ours
 from .heads import DraftHeads, HeadsConfig
-
-WEIGHTS_FILE = "heads.safetensors"
-CONFIG_FILE = "config.json"
-
-
-class CheckpointError(ValueError):
-    """A head checkpoint that cannot be loaded (one-line message naming the problem)."""
-
+from .heads_io import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_state_strict, name_list
 
 def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """state_dict with each shared tensor stored once (safetensors refuses aliases)."""
@@ -60,33 +54,6 @@ def save_heads(heads: DraftHeads, directory: str | Path, meta: Optional[dict[str
     return d
 
 
-def load_state_strict(heads: DraftHeads, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load `state` into `heads`, failing with one line that names bad keys."""
-    own = heads.state_dict()
-    # Tensors shared inside `heads` appear under several names; any one of them suffices.
-    alias: dict[int, list[str]] = {}
-    for k, v in own.items():
-        alias.setdefault(v.data_ptr() if v.numel() else id(v), []).append(k)
-    unknown = sorted(set(state) - set(own))
-    missing = sorted(k for names in alias.values() if not any(n in state for n in names) for k in names[:1])
-    if unknown:
-        raise CheckpointError(f"{source}: unknown keys {_names(unknown)}")
-    if missing:
-        raise CheckpointError(f"{source}: missing keys {_names(missing)}")
-    bad = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if tuple(state[k].shape) != tuple(own[k].shape)]
-    if bad:
-        raise CheckpointError(f"{source}: mis-shaped keys {_names(bad)} (heads built for another model size?)")
-    with torch.no_grad():
-        for names in alias.values():
-            src = next(state[n] for n in names if n in state)
-            own[names[0]].copy_(src)
-
-
-def _names(keys: list[str], limit: int = 6) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 def read_config(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -106,8 +73,6 @@ def load_heads(path: str | Path, base_config=None) -> DraftHeads:
     heads fit the base (hidden size, vocabulary); published Hydra++ checkpoints need it for
     the prefix layer's shape (else it is looked up from their `base_model_name_or_path`).
     """
-    from . import published  # published formats live apart from ours
-
     d = Path(path)
     if not d.exists():
         raise CheckpointError(f"head checkpoint not found: {d}")
@@ -128,7 +93,7 @@ def _load_ours(d: Path, raw: dict) -> DraftHeads:
     fields = {k: v for k, v in raw.items() if k in HeadsConfig.__dataclass_fields__}
     unknown = sorted(set(raw) - set(HeadsConfig.__dataclass_fields__) - {"meta"})
     if unknown:
-        raise CheckpointError(f"{d / CONFIG_FILE}: unknown config fields {_names(unknown)}")
+        raise CheckpointError(f"{d / CONFIG_FILE}: unknown config fields {name_list(unknown)}")
     try:
         cfg = HeadsConfig(**fields)
     except (TypeError, ValueError) as e:
@@ -144,5 +109,4 @@ def _load_ours(d: Path, raw: dict) -> DraftHeads:
     return heads.eval()
 
 
-def heads_meta(heads: DraftHeads) -> dict:
-    return getattr(heads, "meta", {}) or {}
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "CheckpointError", "save_heads", "load_heads", "read_config"]

@@ -69,6 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
+from .errors import one_line
+
 __all__ = [
     "DataError",
     "Prompt",
@@ -107,7 +109,7 @@ class DataError(ValueError):
     """Unusable input as a whole; the message is a single human-readable line."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_one_line(message, 1000))
+        super().__init__(one_line(message, 1000))
 
 
 @dataclass(frozen=True)
@@ -197,15 +199,9 @@ class PromptSet:
 
 # ----------------------------------------------------------------------------- helpers
 
-def _one_line(text: str, limit: int = 300) -> str:
-    """Collapse whitespace (so messages stay one line) and cap the length."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _snippet(value: Any, limit: int = 40) -> str:
     text = value if isinstance(value, str) else repr(value)
-    return repr(_one_line(text, limit))
+    return repr(one_line(text, limit))
 
 
 def _type_name(value: Any) -> str:
@@ -364,7 +360,7 @@ def _jsonl_rows(text: str) -> tuple[list[tuple[int, Any]], list[RowError]]:
         except RecursionError:
             errors.append(RowError(number, "invalid JSON: nested too deeply"))
         except ValueError as exc:
-            errors.append(RowError(number, f"invalid JSON: {_one_line(str(exc), 120)}"))
+            errors.append(RowError(number, f"invalid JSON: {one_line(str(exc), 120)}"))
     return rows, errors
 
 
@@ -410,7 +406,7 @@ def _content_text(content: Any, what: str) -> str:
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else _type_name(part)
-                raise _RowProblem(f"{what} has non-text content ({_one_line(str(kind), 30)})")
+                raise _RowProblem(f"{what} has non-text content ({one_line(str(kind), 30)})")
         content = "".join(texts)
     return _require_text(content, what)
 
@@ -448,7 +444,7 @@ def _flat_messages(row: dict) -> list[dict]:
         if key is None:
             keys = ", ".join(sorted(map(str, row))[:8]) or "none"
             raise _RowProblem("no prompt found: expected one of conversations, messages, turns, "
-                              f"instruction, prompt, question, text, input (keys present: {_one_line(keys, 120)})")
+                              f"instruction, prompt, question, text, input (keys present: {one_line(keys, 120)})")
         if key == "prompt" and isinstance(row[key], list):  # prompt given as a message list
             messages = _chat_messages(row[key], "prompt", "role", "content", _OPENAI_ROLES)
         else:
@@ -516,7 +512,7 @@ def _to_prompt(number: int, row: Any, max_chars: int, seen_ids: set[str]) -> Pro
         raise _RowProblem(f"prompt is {total:,} characters, over the limit of {max_chars:,} "
                           "(max_chars_per_prompt)")
     row_id, category = _row_meta(row)
-    prompt_id = _one_line(row_id, 200) if row_id else f"row-{number}"
+    prompt_id = one_line(row_id, 200) if row_id else f"row-{number}"
     if prompt_id in seen_ids:  # ids must be unique: reports and splits key on them
         prompt_id = f"{prompt_id}#{number}"
     seen_ids.add(prompt_id)
@@ -571,7 +567,7 @@ def load_prompts(
         try:
             prompts.append(_to_prompt(number, row, max_chars_per_prompt, seen_ids))
         except _RowProblem as exc:
-            errors.append(RowError(number, _one_line(str(exc))))
+            errors.append(RowError(number, one_line(str(exc))))
     errors.sort(key=lambda e: e.row)
     if not prompts:
         detail = f": {len(errors)} rows skipped ({_describe_errors(errors, 3)})" if errors else ""

@@ -409,12 +409,6 @@ class Draft:
     entropies: Optional[torch.Tensor] = None
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> entropy in nats [...] (float32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 

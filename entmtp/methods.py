@@ -72,7 +72,6 @@ _ALL = (
 )
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 OUR_METHODS = tuple(m.name for m in _ALL if m.ours)  # what `entmtp generate --method` accepts
-HEAD_KINDS = ("medusa", "hydra", "hydra++")
 DEFAULT_LOOKUP = {m.name: m.lookup for m in _ALL if m.lookup[0]}
 
 
@@ -305,7 +304,7 @@ def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optiona
     return Runner(m, engine, max_new_tokens, heads, s, cfg, pld_tokens)
 
 
-__all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS", "HEAD_KINDS",
+__all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS",
            "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "heads_to_load", "method_lookup",
            "default_tree", "build_scheduler", "ModelOptions", "load_engine_for", "Output", "ForwardCounter", "hf_generate",
            "Runner", "make_runner"]

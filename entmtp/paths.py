@@ -1,10 +1,18 @@
-"""Where entmtp keeps what it computes once per machine (converted models, built kernels,
-tuning profiles, latency models)."""
+"""Where entmtp's files live: the embedded heads it ships, and what it computes once per machine
+(converted models, built kernels, tuning profiles, latency models)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# the embedded heads of the default model: kind -> directory under DEFAULT_HEADS_DIR
+DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
+HEAD_KINDS = {
+    "medusa": "smollm2-135m-medusa",
+    "hydra": "smollm2-135m-hydra",
+    "hydra++": "smollm2-135m-hydrapp",
+}
 
 
 def cache_dir() -> Path:
@@ -18,4 +26,4 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "entmtp"
 
 
-__all__ = ["cache_dir"]
+__all__ = ["DEFAULT_HEADS_DIR", "HEAD_KINDS", "cache_dir"]

@@ -34,8 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoints import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, _names, load_state_strict
+from .errors import one_line
 from .heads import DraftHeads, HeadsConfig
+from .heads_io import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_state_strict, name_list
 
 HYDRA_FILE = "hydra_lm_head.pt"
 MEDUSA_FILE = "medusa_lm_head.pt"
@@ -59,14 +60,6 @@ _PREFIX = "prefix_embeding_layer."
 _INV_FREQ = _PREFIX + "layers.0.self_attn.rotary_emb.inv_freq"
 
 
-def _one_line(e: BaseException, limit: int = 200) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _load_error(path: Path, e: BaseException) -> str:
     """A short reason why torch.load(weights_only=True) failed."""
     import pickle
@@ -79,8 +72,8 @@ def _load_error(path: Path, e: BaseException) -> str:
         why = why[:160] + ("..." if len(why) > 160 else "")
         return "it holds objects other than tensors, refused by weights_only loading" + (f": {why}" if why else "")
     if not zipfile.is_zipfile(path):
-        return f"not a torch.save zip archive; {_one_line(e)}"
-    return _one_line(e)
+        return f"not a torch.save zip archive; {one_line(e, 200, typed=True)}"
+    return one_line(e, 200, typed=True)
 
 
 def _text_config(base_config):
@@ -127,7 +120,7 @@ def _torch_state(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a state dict (holds a {type(state).__name__})")
     bad = sorted(str(k) for k, v in state.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor)))
     if bad:
-        raise CheckpointError(f"{path}: entries that are not tensors: {_names(bad)}")
+        raise CheckpointError(f"{path}: entries that are not tensors: {name_list(bad)}")
     return state
 
 
@@ -151,17 +144,17 @@ def _map_state(state: dict[str, torch.Tensor], expected: dict[str, _Key], source
     """Strict key check in the *published* names, then rename to ours."""
     unknown = sorted(set(state) - set(expected))
     if unknown:
-        raise CheckpointError(f"{source}: unknown keys {_names(unknown)}")
+        raise CheckpointError(f"{source}: unknown keys {name_list(unknown)}")
     missing = [k for k, e in expected.items() if not e.optional and k not in state]
     if missing:
-        raise CheckpointError(f"{source}: missing keys {_names(missing)}")
+        raise CheckpointError(f"{source}: missing keys {name_list(missing)}")
     bad = [f"{k} {tuple(state[k].shape)} != {e.shape}" for k, e in expected.items()
            if k in state and tuple(state[k].shape) != tuple(e.shape)]
     if bad:
-        raise CheckpointError(f"{source}: mis-shaped keys {_names(bad)} (heads built for another model size?)")
+        raise CheckpointError(f"{source}: mis-shaped keys {name_list(bad)} (heads built for another model size?)")
     notfloat = [k for k in state if not state[k].is_floating_point()]
     if notfloat:
-        raise CheckpointError(f"{source}: non-floating-point tensors {_names(notfloat)}")
+        raise CheckpointError(f"{source}: non-floating-point tensors {name_list(notfloat)}")
     return {e.ours: state[k] for k, e in expected.items() if e.ours is not None and k in state}
 
 
@@ -217,7 +210,7 @@ def _check_counts(state: dict, pattern: str, what: str, want, cfg_name: str, cfg
     found = {int(m.group(1)) for k in state if (m := re.match(pattern, k))}
     if found and found != set(want):
         raise CheckpointError(f"{source}: config.json says {cfg_name}={cfg_value}, but the weights hold {what} "
-                              f"{_names([str(i) for i in sorted(found)])}")
+                              f"{name_list([str(i) for i in sorted(found)])}")
 
 
 # --------------------------------------------------------------------------- Hydra
@@ -234,7 +227,7 @@ def _prefix_fields(raw: dict, base_config, source: Path) -> tuple[dict, Any]:
 
                 base_config = AutoConfig.from_pretrained(name)
             except Exception as e:  # offline, unknown repo, no such directory...
-                why = f"could not load the config of {name!r}: {_one_line(e)}"
+                why = f"could not load the config of {name!r}: {one_line(e, 200, typed=True)}"
         if base_config is None:
             raise CheckpointError(f"{source}: the Hydra++ prefix layer needs the base model's config; pass "
                                   f"base_config= (the base model's config) to load_heads ({why})")
@@ -309,7 +302,7 @@ def load_hydra(d: Path, raw: dict, base_config=None) -> DraftHeads:
             shared_all_blocks=(not grounded) and L > 1, base_model=str(raw.get("base_model_name_or_path") or ""),
             notes={"source": "hydra", "hydra_head_arch": arch, "grounded_heads": grounded}, **fields)
     except ValueError as e:
-        raise CheckpointError(f"{cfg_path}: {_one_line(e)}") from None
+        raise CheckpointError(f"{cfg_path}: {one_line(e, 200, typed=True)}") from None
     check_base(cfg, base_config, src)
     own = _own_shapes(cfg)
 

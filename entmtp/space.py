@@ -394,7 +394,7 @@ def _package_files(pkg: Path) -> list[Path]:
 
 def _content_files(root: Path) -> list[tuple[Path, str]]:
     """(source, path in the Space) for the package, the embedded heads and the shipped trees."""
-    from .models import DEFAULT_HEADS_DIR, HEAD_KINDS
+    from .paths import DEFAULT_HEADS_DIR, HEAD_KINDS
     from .trees import TREES_DIR
 
     pkg = Path(__file__).resolve().parent
