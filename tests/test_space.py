@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from huggingface_hub.errors import OfflineModeIsEnabled
 
 from entmtp import space
 from entmtp.cli import main
@@ -242,7 +243,9 @@ def test_push_to_an_existing_space_replaces_stale_package_files(capsys):
      "cannot reach the Hugging Face Hub (no network?)"),
     (FakeApi(fail={"create_repo": _http_error("HfHubHTTPError", 403, "You don't have the rights")}),
      "no permission to create or write the Space me/entmtp-demo"),
-], ids=["other-sdk", "name-taken", "no-network", "no-rights"])
+    (FakeApi(fail={"repo_info": OfflineModeIsEnabled("offline")}),
+     "HF_HUB_OFFLINE is set: unset it to push a Space"),
+], ids=["other-sdk", "name-taken", "no-network", "no-rights", "offline"])
 def test_push_failures_are_one_line(api, expect):
     with pytest.raises(space.SpaceError) as info:
         space.push_space("me/entmtp-demo", api=api, token="hf_test")
