@@ -56,9 +56,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from .acceptance import AcceptanceRule, Sampling, TypicalRule, make_rule
+from .acceptance import AcceptanceRule, Sampling, TypicalRule, make_rule, warp
 from .data import DataError, Prompt, render_prompt
 from .decoding import DecodeConfig, Engine
+from .hardware import cpu_isa, hardware_class
+from .models import describe_model
+from .paths import cache_dir
 from .scheduler import Decision, Scheduler, StepSignals
 from .tuning import config_hash
 from .trees import Path_, Tree, TreeError, resolve_tree
@@ -671,8 +674,6 @@ def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: Ru
     (entropy, probability) of every continuation token."""
     from transformers import DynamicCache
 
-    from .acceptance import warp
-
     model, dev = engine.model, engine.device
     B = len(batch)
     lens = [len(x) for x in batch]
@@ -1131,8 +1132,6 @@ def _slug(s: str) -> str:
 
 
 def machine_info() -> dict:
-    from .hardware import cpu_isa
-
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
             "cpu_isa": cpu_isa(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -1146,9 +1145,6 @@ def latency_key(engine: Engine, heads: str) -> dict:
     """What a cached latency model depends on: the architecture (config, not the path or the
     weights), device and its hardware class, dtype, the heads' shape, the CPU threads and the
     decoding kernels (their kind and what they are)."""
-    from .hardware import hardware_class
-    from .models import describe_model
-
     info = describe_model(engine.model)
     heads_cfg = {k: v for k, v in engine.runners[heads].config.to_dict().items() if k not in ("base_model", "notes")}
     return {"model": info.get("name"), "architecture": info.get("architecture"), "n_params": info.get("n_params"),
@@ -1164,8 +1160,6 @@ def latency_key(engine: Engine, heads: str) -> dict:
 
 def latency_cache_path(engine: Engine, heads: str) -> Path:
     """`cache_dir()/latency/<model>-<device>-<dtype>-<heads>-<hash>.json`."""
-    from .models import cache_dir
-
     key = latency_key(engine, heads)
     tag = hashlib.sha256(json.dumps({k: v for k, v in key.items() if k != "model"}, sort_keys=True,
                                     default=str).encode()).hexdigest()[:8]

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from .attention import fp32_sdpa_attention, use_fp32_attention
-from .hardware import cpu_isa, isa_at_least
+from .hardware import cpu_isa, fast_bf16_matmul, isa_at_least
 from .paths import cache_dir
 
 # kernel sets for the decoding twin: "stock" (transformers' own), "onednn" (linears prepacked for
@@ -238,8 +238,6 @@ def dtype_advice(device, dtype, remedy: str = "use --dtype float32") -> str | No
     """One line for a user decoding in `dtype` on `device` where speculation cannot pay, else None:
     bf16 on a CPU without bf16 matrix units where neither packed kernel set can run (torch's
     fallback bf16 path makes a tree step cost several one-token steps)."""
-    from .hardware import fast_bf16_matmul
-
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or fast_bf16_matmul():
         return None
     method, why = pack_method(torch.bfloat16)

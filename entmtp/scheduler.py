@@ -29,7 +29,8 @@ from typing import Any, Optional
 
 import torch
 
-from .trees import Tree, TreeError, dumps_compact, read_json_file, tree_from_json
+from .hardware import hardware_class
+from .trees import TREES_DIR, Tree, TreeError, dumps_compact, read_json_file, resolve_tree, tree_from_json
 
 
 @dataclass
@@ -252,8 +253,6 @@ SCHEDULERS = ("static", "ladder", "hysteresis", "entropy", "dynamic")
 def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree: Optional[Tree] = None,
                    bank: Optional[str] = None, **kw) -> Scheduler:
     """Build a scheduler by name: static, ladder, hysteresis, entropy, dynamic."""
-    from .trees import resolve_tree
-
     if name == "static":
         if tree is None:
             raise ValueError("the static scheduler needs a tree")
@@ -289,8 +288,6 @@ def recorded_default(engine, heads: Optional[str], key: str) -> Optional[str]:
     """A file name recorded in the loaded heads' meta, the most specific first:
     `<key>_<dtype>@<hardware class>`, `<key>_<dtype>`, `<key>` (trees and banks are chosen by
     step times measured per dtype and hardware: `entmtp.hardware`)."""
-    from .hardware import hardware_class
-
     meta = {}
     if engine is not None and heads in getattr(engine, "runners", {}):
         meta = getattr(engine.runners[heads].heads, "meta", {}) or {}
@@ -301,8 +298,6 @@ def recorded_default(engine, heads: Optional[str], key: str) -> Optional[str]:
 
 def default_bank_path(engine, heads: Optional[str]) -> Path:
     """The entropy bank recorded in the loaded heads' meta (`default_bank[_<dtype>]`, a file in trees/)."""
-    from .trees import TREES_DIR
-
     name = recorded_default(engine, heads, "default_bank")
     if not name or not (TREES_DIR / name).is_file():
         raise TreeError(f"no entropy bank recorded for the {heads or 'loaded'} heads; fit one with `entmtp search` or pass --bank")
