@@ -113,12 +113,10 @@ def test_app_builds_demo_at_import_from_the_folder(built, tmp_path):
     root, _ = built
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENTMTP_", "PYTHON"))}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-    code = ("import sys, time; t = time.time(); import app, entmtp, os; "
-            "print(type(app.demo).__name__, entmtp.__file__, os.environ['ENTMTP_CACHE'], "
-            "'torch' in sys.modules and hasattr(sys.modules['torch'], 'nn'), round(time.time() - t, 1))")
+    code = "import app, entmtp, os; print(type(app.demo).__name__, entmtp.__file__, os.environ['ENTMTP_CACHE'])"
     out = subprocess.run([PY, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    kind, pkg, cache, _, _ = out.stdout.split()
+    kind, pkg, cache = out.stdout.split()
     assert kind == "Blocks"
     assert Path(pkg).resolve().is_relative_to(root.resolve())  # the folder's own copy of the package
     assert Path(cache) == tmp_path / "hf" / "entmtp"  # the cache follows HF_HOME (persistent storage on a Space)
