@@ -135,8 +135,17 @@ def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[st
     return runs
 
 
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if a and b else None
+
+
 def summarize(runs: list[Run], methods: list[str]) -> dict:
-    """Medians per (prompt, method), then aggregates per method and per category."""
+    """Medians per (prompt, method), then aggregates per method and per category.
+
+    Per method: tokens/s, tau, speedup over `generate` (speedup_vs_hf) and, for our methods,
+    over our own plain loop on the same kernels (speedup_vs_baseline: speculation alone), the
+    share of token-identical outputs, and tokens/s of every repeat (over all prompts) for the
+    spread of the headline figures."""
     by: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         by.setdefault((r.prompt_id, r.method), []).append(r)
@@ -146,6 +155,7 @@ def summarize(runs: list[Run], methods: list[str]) -> dict:
         med[k] = rs[len(rs) // 2]
     prompts = sorted({k[0] for k in med})
     cats = {r.prompt_id: r.category for r in runs}
+    has_hf, has_base = "hf" in methods, "baseline" in methods
 
     def agg(ms: list[Run], ref: list[Run] | None, base: list[Run] | None = None) -> dict:
         toks = sum(r.new_tokens for r in ms)
@@ -158,22 +168,31 @@ def summarize(runs: list[Run], methods: list[str]) -> dict:
             out["bookkeeping_share"] = sum(r.bookkeeping_s for r in ms) / step
         if ref is not None:
             rtoks, rsecs = sum(r.new_tokens for r in ref), sum(r.seconds for r in ref)
-            out["speedup_vs_hf"] = out["tokens_per_s"] / (rtoks / rsecs) if rsecs and rtoks else None
+            out["speedup_vs_hf"] = _ratio(out["tokens_per_s"], rtoks / rsecs if rsecs else 0.0)
             out["identical_to_hf"] = sum(a.tokens == b.tokens for a, b in zip(ms, ref)) / len(ms) if ms else None
-        if base is not None and ms:  # lossless against our own plain loop (same kernels): exact in bf16 too
+        if base is not None and ms:  # speculation alone, and lossless against our own plain loop (same kernels)
+            btoks, bsecs = sum(r.new_tokens for r in base), sum(r.seconds for r in base)
+            out["speedup_vs_baseline"] = _ratio(out["tokens_per_s"], btoks / bsecs if bsecs else 0.0)
             out["identical_to_baseline"] = sum(a.tokens == b.tokens for a, b in zip(ms, base)) / len(ms)
         return out
 
+    def per_repeat(m: str) -> list[float]:
+        rep: dict[int, list[Run]] = {}
+        for r in runs:
+            if r.method == m:
+                rep.setdefault(r.repeat, []).append(r)
+        return [sum(r.new_tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-12) for _, rs in sorted(rep.items())]
+
     summary: dict = {"methods": {}, "categories": {}}
-    has_hf = "hf" in methods
     for m in methods:
         ms = [med[(p, m)] for p in prompts]
         ref = [med[(p, "hf")] for p in prompts] if has_hf else None
-        base = [med[(p, "baseline")] for p in prompts] if "baseline" in methods and m not in ("hf", "pld") else None
-        summary["methods"][m] = agg(ms, ref, base)
+        base = [med[(p, "baseline")] for p in prompts] if has_base and METHODS[m].ours else None
+        summary["methods"][m] = {**agg(ms, ref, base), "tokens_per_s_by_repeat": per_repeat(m)}
     for c in sorted(set(cats.values())):
         ps = [p for p in prompts if cats[p] == c]
-        summary["categories"][c] = {m: agg([med[(p, m)] for p in ps], [med[(p, "hf")] for p in ps] if has_hf else None)
+        summary["categories"][c] = {m: agg([med[(p, m)] for p in ps], [med[(p, "hf")] for p in ps] if has_hf else None,
+                                           [med[(p, "baseline")] for p in ps] if has_base and METHODS[m].ours else None)
                                     for m in methods}
     summary["headline"] = headline(summary)
     summary["per_prompt"] = {p: {m: {"tokens_per_s": med[(p, m)].tokens_per_s, "tau": med[(p, m)].tau,
@@ -181,35 +200,76 @@ def summarize(runs: list[Run], methods: list[str]) -> dict:
     return summary
 
 
+MIN_REPEATS_FOR_SPREAD = 3
+
+
+def spread(values: Sequence[float]) -> Optional[dict]:
+    """min, max and sample standard deviation of >= MIN_REPEATS_FOR_SPREAD values, else None."""
+    v = [float(x) for x in values if x is not None]
+    if len(v) < MIN_REPEATS_FOR_SPREAD:
+        return None
+    return {"min": min(v), "max": max(v), "stdev": statistics.stdev(v), "repeats": len(v)}
+
+
 def headline(summary: dict) -> dict:
     """The figures a speculative-decoding benchmark is judged by, from `summarize`'s output.
 
-    entmtp_vs_hf: entmtp's tokens/s over `generate`'s; hydra_vs_medusa: the best Hydra-family
-    method's tokens/s over Medusa's (with which method that was); identical_to_hf: each method's
-    share of prompts whose output is token-identical to `generate`'s. A figure whose methods did
-    not run is absent."""
+    Two separate speedups, speculation first: entmtp_vs_baseline (entmtp's tokens/s over our own
+    plain loop on the same kernels: what speculation alone buys) and entmtp_vs_hf (over
+    transformers' `generate`: speculation times our kernels, whose share is baseline_vs_hf).
+    hydra_vs_medusa: the best Hydra-family method's tokens/s over Medusa's (with which method
+    that was); identical_to_hf: each method's share of prompts whose output is token-identical to
+    `generate`'s. spread: per ratio, its min, max and stdev over the repeats (tokens/s of every
+    repeat over all prompts) when there were at least 3. A figure whose methods did not run is
+    absent."""
     ms = summary["methods"]
     tps = {m: v["tokens_per_s"] for m, v in ms.items()}
     out: dict = {}
-    if "entmtp" in tps and tps.get("hf"):
-        out["entmtp_vs_hf"] = tps["entmtp"] / tps["hf"]
+    pairs = {}
+    for key, (num, den) in (("entmtp_vs_baseline", ("entmtp", "baseline")), ("entmtp_vs_hf", ("entmtp", "hf")),
+                            ("baseline_vs_hf", ("baseline", "hf"))):
+        if num in tps and tps.get(den):
+            out[key] = tps[num] / tps[den]
+            pairs[key] = (num, den)
     family = [m for m in HYDRA_FAMILY if m in tps]
     if family and tps.get("medusa"):
         best = max(family, key=lambda m: tps[m])
         out["hydra_vs_medusa"] = {"ratio": tps[best] / tps["medusa"], "method": best}
+        pairs["hydra_vs_medusa"] = (best, "medusa")
     if "hf" in tps:
         out["identical_to_hf"] = {m: v.get("identical_to_hf") for m, v in ms.items() if m != "hf"}
+    spreads = {}
+    for key, (num, den) in pairs.items():
+        a, b = ms[num].get("tokens_per_s_by_repeat") or [], ms[den].get("tokens_per_s_by_repeat") or []
+        sp = spread([x / y for x, y in zip(a, b) if y])
+        if sp is not None:
+            spreads[key] = sp
+    if spreads:
+        out["spread"] = spreads
     return out
 
 
+def _with_spread(x: float, sp: Optional[dict], fmt: str = ".2f") -> str:
+    if sp is None:
+        return f"{x:{fmt}}x"
+    return f"{x:{fmt}}x (range {sp['min']:{fmt}}-{sp['max']:{fmt}}x, sd {sp['stdev']:.3f} over {sp['repeats']} repeats)"
+
+
 def headline_lines(head: dict) -> list[str]:
-    """`headline` as sentences for the terminal and report.md."""
+    """`headline` as sentences for the terminal and report.md: speculation over our own loop
+    first, then over `generate`."""
+    sp = head.get("spread", {})
     lines = []
+    if "entmtp_vs_baseline" in head:
+        lines.append("speculation: entmtp / our plain loop (same kernels) tokens/s: "
+                     + _with_spread(head["entmtp_vs_baseline"], sp.get("entmtp_vs_baseline")))
     if "entmtp_vs_hf" in head:
-        lines.append(f"entmtp / hf tokens/s: {head['entmtp_vs_hf']:.2f}x")
+        lines.append("entmtp / hf generate tokens/s: " + _with_spread(head["entmtp_vs_hf"], sp.get("entmtp_vs_hf")))
+    if "baseline_vs_hf" in head:
+        lines.append("kernels: our plain loop / hf generate tokens/s: " + _with_spread(head["baseline_vs_hf"], sp.get("baseline_vs_hf")))
     if "hydra_vs_medusa" in head:
         h = head["hydra_vs_medusa"]
-        lines.append(f"best Hydra-family ({h['method']}) / medusa tokens/s: {h['ratio']:.3f}x")
+        lines.append(f"best Hydra-family ({h['method']}) / medusa tokens/s: " + _with_spread(h["ratio"], sp.get("hydra_vs_medusa"), ".3f"))
     if head.get("identical_to_hf"):
         lines.append("token-identical to hf: " + ", ".join(
             f"{m} {'n/a' if r is None else f'{r:.0%}'}" for m, r in head["identical_to_hf"].items()))
@@ -217,16 +277,20 @@ def headline_lines(head: dict) -> list[str]:
 
 
 def markdown_table(summary: dict, methods: list[str]) -> str:
+    """One row per method: tokens/s, tau, speedup over our plain loop (speculation alone) and over
+    `generate`, identity, bookkeeping share."""
     with_base = any("identical_to_baseline" in summary["methods"][m] for m in methods)
     pct = lambda x: "" if x is None else f"{x:.0%}"  # noqa: E731
-    lines = ["| method | tokens/s | tau | speedup vs hf | identical to hf |" + (" identical to baseline |" if with_base else "")
-             + " bookkeeping share |", "|---|---|---|---|---|" + ("---|" if with_base else "") + "---|"]
+    times = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+    head = "| method | tokens/s | tau |" + (" speedup vs baseline |" if with_base else "") + " speedup vs hf | identical to hf |"
+    head += (" identical to baseline |" if with_base else "") + " bookkeeping share |"
+    lines = [head, "|" + "---|" * head.count(" |")]
     for m in methods:
         s = summary["methods"][m]
-        sp = s.get("speedup_vs_hf")
         book = s.get("bookkeeping_share")
-        lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} | {'' if sp is None else f'{sp:.2f}x'} | "
-                     f"{pct(s.get('identical_to_hf'))} |" + (f" {pct(s.get('identical_to_baseline'))} |" if with_base else "")
+        lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} |" + (f" {times(s.get('speedup_vs_baseline'))} |" if with_base else "")
+                     + f" {times(s.get('speedup_vs_hf'))} | {pct(s.get('identical_to_hf'))} |"
+                     + (f" {pct(s.get('identical_to_baseline'))} |" if with_base else "")
                      + f" {'' if book is None else f'{book:.1%}'} |")
     return "\n".join(lines)
 
@@ -261,11 +325,18 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           "Recorded trees / banks for this dtype and hardware: " + (", ".join(
               f"{h} {v['tree']} / {v['bank']}" for h, v in meta.get("recorded_trees", {}).items()) or "none")
           + "".join(f"; overridden by --{k} {v}" for k, v in (meta.get("overrides") or {}).items() if v) + ".", "",
-          table, "", *[f"* {line}" for line in headline_lines(summary.get("headline", {}))], *cat_lines, ""]
+          *[f"* {line}" for line in headline_lines(summary.get("headline", {}))], "",
+          "Speedup vs baseline: over our own plain loop on the same kernels (speculation alone); "
+          "speedup vs hf: over transformers' `generate` (speculation and kernels).", "", table, *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
-    fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods],
-                           text=[f"{summary['methods'][m].get('speedup_vs_hf') or 0:.2f}x" for m in methods] if "hf" in methods else None))
-    fig.update_layout(title="tokens/s (label: speedup vs hf)", yaxis_title="tokens/s")
+    def label(m: str) -> str:
+        s = summary["methods"][m]
+        parts = [f"{s[k]:.2f}x {name}" for k, name in (("speedup_vs_baseline", "our loop"), ("speedup_vs_hf", "hf"))
+                 if s.get(k) is not None]
+        return " · ".join(parts)
+
+    fig = go.Figure(go.Bar(x=methods, y=[summary["methods"][m]["tokens_per_s"] for m in methods], text=[label(m) for m in methods]))
+    fig.update_layout(title="tokens/s (label: speedup over our plain loop and over hf generate)", yaxis_title="tokens/s")
     figs = [fig]
     if len(summary["categories"]) > 1 and "hf" in methods:
         cf = go.Figure()
@@ -321,17 +392,15 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
 
 def terminal_report(summary: dict, methods: Sequence[str]) -> str:
     """The table and headline `entmtp bench` prints."""
-    lines = [markdown_table(summary, list(methods))]
-    if "baseline" in methods and "hf" in methods:
-        b = summary["methods"]["baseline"]
-        lines.append(f"\nbaseline / hf tokens/s ratio: {b['speedup_vs_hf']:.3f}; "
-                     f"engine bookkeeping share of step time: {b.get('bookkeeping_share', 0):.1%} (baseline), " + ", ".join(
-                         f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in methods
-                         if METHODS[m].ours and m != "baseline"))
+    lines = [markdown_table(summary, list(methods)), ""]
+    ours = [m for m in methods if METHODS[m].ours]
+    if ours:
+        lines.append("engine bookkeeping share of step time: " + ", ".join(
+            f"{m} {summary['methods'][m].get('bookkeeping_share', 0):.1%}" for m in ours))
     lines += headline_lines(summary["headline"])
     return "\n".join(lines)
 
 
 __all__ = ["ALL_METHODS", "BenchConfig", "Run", "make_runners", "recorded_trees", "run_bench", "summarize", "headline",
-           "headline_lines", "markdown_table", "write_reports", "take_per_category", "load_bench_prompts", "bench_meta",
+           "headline_lines", "spread", "markdown_table", "write_reports", "take_per_category", "load_bench_prompts", "bench_meta",
            "terminal_report"]

@@ -5,7 +5,7 @@ import json
 
 from conftest import random_heads, save_tiny_base
 from entmtp import cli
-from entmtp.bench import headline, headline_lines, take_per_category
+from entmtp.bench import Run, headline, headline_lines, spread, summarize, take_per_category
 from entmtp.checkpoints import save_heads
 from entmtp.data import Prompt
 
@@ -28,20 +28,28 @@ def test_bench_end_to_end(tmp_path, capsys):
     for m, v in s["methods"].items():
         assert v["identical_to_hf"] == 1.0  # float32 greedy: every method is lossless
         assert v.get("identical_to_baseline") == (None if m in ("hf", "pld") else 1.0)  # our methods vs our loop
+        # two separate figures: over our own loop (ours only) and over generate (all)
+        assert (v.get("speedup_vs_baseline") is None) == (m in ("hf", "pld")) and v["speedup_vs_hf"] > 0
+        assert len(v["tokens_per_s_by_repeat"]) == 1
         assert v["tokens_per_s"] > 0 and v["tau"] >= 1.0 and v["prompts"] == 4
     assert s["methods"]["hf"]["speedup_vs_hf"] == 1.0 and s["methods"]["baseline"]["tau"] == 1.0
+    assert s["methods"]["baseline"]["speedup_vs_baseline"] == 1.0
     assert set(s["categories"]) == {"chat", "math"}
     with open(out / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == 4 * 6
     report = (out / "report.md").read_text()
-    assert "| hydra |" in report and "identical to baseline |" in report and "plotly" in (out / "report.html").read_text()
+    assert "| hydra |" in report and "identical to baseline |" in report and "speedup vs baseline | speedup vs hf |" in report and "plotly" in (out / "report.html").read_text()
     # what ran where: the hardware class, and the trees the heads record (none here) and the override
     assert s["meta"]["hardware"].startswith("cpu-") and s["meta"]["overrides"]["tree"] == "binary_2x2"
     assert list(s["meta"]["recorded_trees"].values()) == [{"tree": None, "bank": None}]  # one head set, nothing recorded
     assert "overridden by --tree binary_2x2" in (out / "report.md").read_text()
-    assert "baseline / hf tokens/s ratio" in printed.out
-    # the headline: identity per method printed; no medusa / entmtp ran, so no ratio is made up for them
-    assert s["headline"] == {"identical_to_hf": {m: 1.0 for m in ("pld", "baseline", "lookup", "hydra", "dynamic")}}
+    assert "speedup vs baseline | speedup vs hf |" in printed.out and "bookkeeping share of step time" in printed.out
+    # the headline: our loop over generate, identity per method; no medusa / entmtp ran, so no ratio is made
+    # up for them; one repeat: no spread
+    assert set(s["headline"]) == {"baseline_vs_hf", "identical_to_hf"}
+    assert s["headline"]["baseline_vs_hf"] == s["methods"]["baseline"]["speedup_vs_hf"]
+    assert s["headline"]["identical_to_hf"] == {m: 1.0 for m in ("pld", "baseline", "lookup", "hydra", "dynamic")}
+    assert "kernels: our plain loop / hf generate tokens/s" in printed.out
     assert "token-identical to hf: pld 100%, baseline 100%" in printed.out and "Hydra-family" not in printed.out
     assert "* token-identical to hf:" in report
 
@@ -61,13 +69,42 @@ def test_headline_takes_the_best_hydra_family_method():
     ms = {"hf": (10.0, 1.0), "medusa": (30.0, 0.5), "hydra": (33.0, 0.5), "hydra++": (36.0, 0.25), "entmtp": (40.0, None)}
     summary = {"methods": {m: {"tokens_per_s": t, "identical_to_hf": i} for m, (t, i) in ms.items()}}
     h = headline(summary)
-    assert h["entmtp_vs_hf"] == 4.0
+    assert h["entmtp_vs_hf"] == 4.0 and "entmtp_vs_baseline" not in h  # no baseline ran
     assert h["hydra_vs_medusa"] == {"ratio": 1.2, "method": "hydra++"}
     assert h["identical_to_hf"] == {"medusa": 0.5, "hydra": 0.5, "hydra++": 0.25, "entmtp": None}
     lines = headline_lines(h)
-    assert lines[0] == "entmtp / hf tokens/s: 4.00x"
+    assert lines[0] == "entmtp / hf generate tokens/s: 4.00x"
     assert lines[1] == "best Hydra-family (hydra++) / medusa tokens/s: 1.200x"
     assert lines[2] == "token-identical to hf: medusa 50%, hydra 50%, hydra++ 25%, entmtp n/a"
+    # with our plain loop: speculation over it first, then the kernels' share; entmtp_vs_hf is their product
+    summary["methods"]["baseline"] = {"tokens_per_s": 20.0}
+    h = headline(summary)
+    assert (h["entmtp_vs_baseline"], h["baseline_vs_hf"]) == (2.0, 2.0)
+    assert headline_lines(h)[:3] == ["speculation: entmtp / our plain loop (same kernels) tokens/s: 2.00x",
+                                     "entmtp / hf generate tokens/s: 4.00x", "kernels: our plain loop / hf generate tokens/s: 2.00x"]
     # without hf nothing is relative to it; without medusa no family ratio
     del summary["methods"]["hf"], summary["methods"]["medusa"]
+    assert headline(summary) == {"entmtp_vs_baseline": 2.0}
+    del summary["methods"]["baseline"]
     assert headline(summary) == {}
+
+
+def _runs(tps: dict[str, list[float]]) -> list[Run]:
+    """One prompt of 10 tokens per (method, repeat) at the given tokens/s."""
+    return [Run("p", "all", m, i, 10, 10 / t, 10, [1] * 10) for m, ts in tps.items() for i, t in enumerate(ts)]
+
+
+def test_headline_spread_over_repeats():
+    """Three or more repeats: each headline ratio carries its min, max and stdev over the repeats."""
+    tps = {"hf": [10.0, 10.0, 10.0], "baseline": [20.0, 20.0, 25.0], "entmtp": [30.0, 40.0, 50.0]}
+    s = summarize(_runs(tps), list(tps))
+    h = s["headline"]
+    assert h["entmtp_vs_baseline"] == 40.0 / 20.0 and h["entmtp_vs_hf"] == 4.0  # medians per prompt
+    sp = h["spread"]["entmtp_vs_baseline"]
+    assert (sp["min"], sp["max"], sp["repeats"]) == (1.5, 2.0, 3) and abs(sp["stdev"] - spread([1.5, 2.0, 2.0])["stdev"]) < 1e-12
+    assert (h["spread"]["entmtp_vs_hf"]["min"], h["spread"]["entmtp_vs_hf"]["max"]) == (3.0, 5.0)
+    assert s["methods"]["entmtp"]["speedup_vs_baseline"] == 2.0 and s["methods"]["entmtp"]["tokens_per_s_by_repeat"] == [30.0, 40.0, 50.0]
+    assert "(range 1.50-2.00x, sd 0.289 over 3 repeats)" in headline_lines(h)[0]
+    # two repeats are too few for a spread
+    two = summarize(_runs({m: v[:2] for m, v in tps.items()}), list(tps))["headline"]
+    assert "spread" not in two and spread([1.0, 2.0]) is None
