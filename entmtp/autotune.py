@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .bank import fit_entropy_bank
+from .bank import compare_on, fit_entropy_bank
 from .calibrate import CalibrationStats, LatencyModel, measure_latency
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
@@ -130,13 +130,36 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
                   key=lambda c: -c.predicted_tokens_per_s)[:24]
     if any(r.root_entropy == r.root_entropy for r in stats.records):  # some finite entropies
         trees = [Tree(c.tree.paths, f"tuned-{heads}-n{c.n_nodes}-d{c.depth}") for c in pool]
-        try:
-            bank, report = fit_entropy_bank(stats, trees, latency)
-            out.bank = bank
-            out.bank_speedup = float(report["predicted_tokens_per_s"]) * latency.baseline_s
-        except ValueError:
-            pass  # too few records: no bank, the static tree serves
+        out.bank, out.bank_speedup, note = choose_bank(stats, trees, tree, latency)
+        out.why += f"; {note}"
     return out
+
+
+def choose_bank(stats: CalibrationStats, trees: list[Tree], static: Tree, latency: LatencyModel,
+                min_prompts: int = 8) -> tuple[Optional[EntropyBucketScheduler], Optional[float], str]:
+    """The entropy bank the entropy scheduler uses: fitted on half the prompts and compared with
+    the static tree on the other half; kept (refitted on all prompts) only where it predicts more
+    tokens/s there, else a one-bucket bank of the static tree. Returns (bank, predicted speedup
+    over plain decoding, why)."""
+    ids = stats.prompt_ids
+    single = EntropyBucketScheduler({static.name: static}, [], [static.name], meta={"fit": "static: no held-out gain"})
+    try:
+        if len(ids) >= min_prompts:
+            fit, held = stats.subset(ids[0::2]), stats.subset(ids[1::2])
+            half, report = fit_entropy_bank(fit, trees, latency)
+            static_half = next(t for t in trees if t.name == report["best_static"]["tree"])
+            bank_tps, static_tps = compare_on(held, half, static_half, latency)
+            if bank_tps <= static_tps:
+                return single, None, (f"entropy bank: no gain on held-out prompts ({bank_tps / static_tps:.3f}x the "
+                                      f"static tree), so the static tree on every step")
+            gain = f"{bank_tps / static_tps:.3f}x the static tree on held-out prompts"
+        else:
+            gain = f"not checked on held-out prompts (fewer than {min_prompts} prompts)"
+        bank, report = fit_entropy_bank(stats, trees, latency)
+        bank.meta["held_out"] = gain
+        return bank, float(report["predicted_tokens_per_s"]) * latency.baseline_s, f"entropy bank: {gain}"
+    except ValueError:
+        return single, None, "entropy bank: too few records, so the static tree on every step"
 
 
 def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
@@ -176,7 +199,7 @@ def bank_file(engine, heads: str) -> Optional[Path]:
     return path
 
 
-__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "tuned_trees", "trees_path", "bank_file"]
+__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "choose_bank", "tuned_trees", "trees_path", "bank_file"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:

@@ -11,6 +11,7 @@ resulting ratio, repeat) reaches the exact optimum over per-bucket choices in a 
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Optional, Sequence
 
@@ -149,3 +150,41 @@ def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int 
     trees = {names[i]: Tree(cands[i].paths, names[i]) for i in names}
     sched = EntropyBucketScheduler(trees, edges, table, d_edges, meta={"fit": report})
     return sched, report
+
+
+def bank_cells(bank: EntropyBucketScheduler, stats) -> np.ndarray:
+    """Each record's cell of `bank` (row-major over root x draft buckets), as `choose` picks it:
+    an unknown (nan) signal takes the middle bucket. -> [R] int"""
+    n_d = len(bank.draft_edges) + 1 if bank.draft_edges is not None else 1
+    out = []
+    for r in stats.records:
+        i = len(bank.edges) // 2 if math.isnan(r.root_entropy) else bisect.bisect_right(bank.edges, r.root_entropy)
+        j = 0
+        if bank.draft_edges is not None:
+            j = len(bank.draft_edges) // 2 if math.isnan(r.draft_entropy) else bisect.bisect_right(bank.draft_edges, r.draft_entropy)
+        out.append(i * n_d + j)
+    return np.array(out, dtype=int)
+
+
+def compare_on(stats, bank: EntropyBucketScheduler, static: Tree, latency) -> tuple[float, float]:
+    """Predicted tokens/s of `bank` and of the `static` tree on `stats` -- records neither was
+    chosen on, so that a bank's gain is not its fit to noise. Trace statistics replay decoding
+    exactly (`replay_assignment`); rollout statistics sum over records. Returns (bank, static)."""
+    names = list(bank.bank)
+    cands = [bank.bank[n] for n in names] + [static]
+    acc = np.stack([stats.accepted_lengths(t).astype(float) for t in cands])  # [T, R]
+    cost = np.array([latency.cost(t.n_nodes, t.depth) for t in cands])  # [T]
+    flat = [n for row in bank.table for n in (row if isinstance(row, list) else [row])]
+    assign = np.array([names.index(n) for n in flat])  # [C]
+    cell = bank_cells(bank, stats)  # [R]
+    fixed = np.full(len(flat), len(cands) - 1)
+    if getattr(stats, "mode", "") == "trace" and stats.prompts:
+        return (_ratio(replay_assignment(stats, acc, cost, cell, assign)),
+                _ratio(replay_assignment(stats, acc, cost, cell, fixed)))
+    idx = np.arange(acc.shape[1])
+
+    def tps(a: np.ndarray) -> float:
+        t = a[cell]
+        return float((1 + acc[t, idx]).sum() / cost[t].sum()) if len(t) else 0.0
+
+    return tps(assign), tps(fixed)

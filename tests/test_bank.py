@@ -81,3 +81,35 @@ def test_quantile_edges_and_errors():
     assert quantile_edges(np.array([np.nan]), 3) == []
     with pytest.raises(ValueError):
         fit_entropy_bank(synthetic_stats(n=10), [], latency())
+
+
+def shuffled_entropy(stats, seed=1):
+    """The same records with their entropies permuted: entropy then says nothing about acceptance."""
+    rng = np.random.default_rng(seed)
+    ents = [r.root_entropy for r in stats.records]
+    rng.shuffle(ents)
+    recs = [StepRecord(r.prompt_id, r.step, r.accepted_paths, root_entropy=e) for r, e in zip(stats.records, ents)]
+    return CalibrationStats.rollout(stats.union, RuleSpec(), recs)
+
+
+def test_bank_is_kept_only_where_it_wins_on_held_out_prompts():
+    """`autotune.choose_bank` fits on half the prompts and compares with the static tree on the
+    other half: where entropy predicts acceptance the bank is kept; where it is noise (entropies
+    shuffled), fitting alone would still claim a gain, and the held-out check refuses it."""
+    from entmtp.autotune import choose_bank
+    from entmtp.bank import compare_on
+
+    stats, lat = synthetic_stats(n=1200), latency()
+    static = CANDS[3]
+    bank, speedup, why = choose_bank(stats, CANDS, static, lat)
+    assert len(bank.bank) > 1 and speedup is not None and "held-out" in why and "no gain" not in why
+    b, s = compare_on(stats, bank, static, lat)
+    assert b > s
+    noise = shuffled_entropy(synthetic_stats(seed=0, n=300), seed=0)
+    ids = noise.prompt_ids
+    half, report = fit_entropy_bank(noise.subset(ids[0::2]), CANDS, lat)
+    assert len(set(half.table)) > 1 and report["predicted_gain_vs_static"] >= 0  # the fit finds buckets in noise
+    on_held = compare_on(noise.subset(ids[1::2]), half, next(t for t in CANDS if t.name == report["best_static"]["tree"]), lat)
+    assert on_held[0] < on_held[1]  # ... which lose on the other prompts
+    bank, speedup, why = choose_bank(noise, CANDS, static, lat)
+    assert list(bank.bank) == [static.name] and bank.edges == [] and speedup is None and "no gain" in why
