@@ -28,7 +28,7 @@ except ImportError:
     HAVE_SEARCH = False
 needs_search = pytest.mark.skipif(not HAVE_SEARCH, reason="entmtp.search is not available")
 
-ENDPOINTS = {"/load_model", "/chat", "/clear", "/replay", "/race", "/lab_search", "/lab_select", "/lab_score"}
+ENDPOINTS = {"/load_model", "/chat", "/clear", "/replay", "/race", "/lab_search", "/lab_select", "/lab_score", "/machine"}
 
 
 def tiny_app_env(root) -> dict:
@@ -102,14 +102,23 @@ def test_public_endpoints_are_the_tested_ones(client):
 
 
 def test_load_model_reports_methods(client):
-    info, methods, trees, scheds, lab_heads = client.predict("default", "hydra++", api_name="/load_model")
-    assert "available: baseline, medusa, hydra, entmtp" in info
+    info, model, methods, trees, scheds, lab_heads = client.predict("default", "hydra++", api_name="/load_model")
+    assert "available: entmtp, hydra, medusa, baseline" in info
     assert "hydra++" in info and "no trained hydra++ heads yet" in info
+    assert "<b>float32</b>" in info and "row invariance is not measured (tuning off)" in info
     values = {v: label for label, v in methods["choices"]}
     assert "unavailable" in values["hydra++"] and "unavailable" not in values["hydra"]
-    assert methods["value"] == "hydra"  # the unavailable choice was replaced
-    assert "mc_sim_7b_63" in [v for _, v in trees["choices"]]
-    assert "static" in [v for _, v in scheds["choices"]]
+    assert methods["value"] == "entmtp"  # the unavailable choice was replaced by the default method
+    assert scheds["value"] == "static"  # the scheduler entmtp runs: the tiny heads have no entropy bank
+    from entmtp import ui
+
+    assert ui.scheduler_for("entmtp").value == "entropy" and ui.scheduler_for("hydra").value == "static"
+    assert ui.scheduler_for("baseline").interactive is False
+    # a short picker: the recommended tree first, then the reference trees, each with nodes and depth
+    labels = dict((v, label) for label, v in trees["choices"])
+    assert list(labels)[0] == "default" and labels["default"].startswith("recommended for this machine: hydra heads")
+    assert "mc_sim_7b_63" in labels and "63 nodes, depth 4" in labels["mc_sim_7b_63"]
+    assert len(labels) <= 8 and not any(v.startswith("smollm2") for v in labels)
     assert [v for _, v in lab_heads["choices"]] == ["medusa", "hydra"]
 
 
@@ -138,13 +147,13 @@ def test_chat_streams_text_tree_strip_and_replay(client):
 
 
 def test_chat_methods_schedulers_and_sampling(client):
-    for method, sched in (("baseline", "static"), ("medusa", "static"), ("entmtp", "static"), ("hydra", "dynamic")):
+    for method, sched in (("baseline", "static"), ("medusa", "static"), ("entmtp", "entropy"), ("hydra", "dynamic")):
         out = client.predict(*chat_args("the cat sat", method=method, sched=sched, max_new=10, tree="default"),
                              api_name="/chat")
         assert "entmtp-error" not in out[6], (method, out[6])
         assert reply_text(out[0]).strip(), (method, out[6])
-    out = client.predict(*chat_args("the cat sat", method="entmtp", max_new=6), api_name="/chat")
-    assert "entmtp runs Hydra with the static tree" in out[6]  # no entropy bank for the tiny heads
+    out = client.predict(*chat_args("the cat sat", method="entmtp", sched="entropy", max_new=6), api_name="/chat")
+    assert "entmtp runs hydra with the static tree" in out[6]  # no entropy bank for the tiny heads
     out = client.predict(*chat_args("one two", temperature=0.9, max_new=12), api_name="/chat")
     assert reply_text(out[0]).strip()
 
@@ -179,25 +188,38 @@ def test_clear_resets_the_session(client):
     assert strip0 == "" and "no generation to replay" in json.dumps(plot_json(tree0))
 
 
-def test_race_runs_five_methods(client):
-    job = client.submit("what is the capital of france?", "default", 16, api_name="/race")
+def test_race_runs_every_method_interleaved(client):
+    job = client.submit("what is the capital of france?", "default", 16, 2, api_name="/race")
     updates = list(job)
     table, plot, cards, status = job.result()
-    assert len(updates) >= 6
+    assert len(updates) >= 2 + 2 * 5  # warm-up, then one update between runs (never inside a timed one)
     rows = table["data"]
-    assert [r[0].split(" ")[0] for r in rows] == ["HF", "baseline", "medusa", "hydra", "entmtp"]
+    assert [r[0].split(" ")[0] for r in rows] == ["HF", "baseline", "Medusa", "Hydra", "entmtp"]
     for r in rows:
-        assert r[3] != "–" and r[5].startswith("×"), r  # tokens/s and speedup for every method
-        assert r[6] in ("✓", "✗")
-    assert rows[0][6] == "✓" and rows[1][6] == "✓"  # our baseline is token-identical to generate
+        assert float(r[2]) > 0 and r[4] != "–", r  # tokens/s and tau for every method
+        lo, hi = map(float, r[3].split("–"))  # two runs: their spread
+        assert lo <= hi
+        assert r[6].startswith("×") and r[7] in ("✓", "✗")
+    assert rows[0][7] == "✓" and rows[1][7] == "✓"  # our plain loop is token-identical to generate
+    assert all(r[8] == "✓" for r in rows[1:])  # every method is lossless against our plain loop
+    assert rows[1][5] == "×1.00" and all(r[5].startswith("×") for r in rows)
     bars = plot_json(plot)["data"][0]
     assert len(bars["y"]) == 5 and all(t.startswith("×") for t in bars["text"])
-    assert cards.count('class="entmtp-card"') == 5 and "done: 5 of 5" in status
+    assert len(bars["error_y"]["array"]) == 5  # repeated: the chart shows the spread
+    assert cards.count('class="entmtp-card"') == 5
+    assert "done: 5 methods × 2 runs, interleaved after a warm-up" in status and "float32" in status
+    assert "hydra++ is not in the race" not in status  # Hydra's own row stands for the family
 
 
 def test_race_rejects_an_empty_prompt(client):
-    *_, status = client.predict("  ", "default", 16, api_name="/race")
+    *_, status = client.predict("  ", "default", 16, 1, api_name="/race")
     assert "type a prompt first" in status
+
+
+def test_machine_profile_renders_without_tuning(client):
+    info, fig = client.predict("default", api_name="/machine")
+    assert "not measured: tuning off" in info and "kernels" in info and "dtype" in info
+    assert "not measured: tuning off" in json.dumps(plot_json(fig))
 
 
 def write(path, text):
@@ -280,20 +302,23 @@ def test_lab_search_with_the_bundled_example_and_bad_uploads(client, server):
 def test_lab_score_an_uploaded_tree(client, server):
     root = server[1]
     good = write(root / "mine.json", json.dumps({"name": "mine", "paths": [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
-    out, fig, trees = client.predict(handle_file(good), None, True, "default", "hydra", 8, api_name="/lab_score")
+    out, fig, trees = client.predict(handle_file(good), None, True, "default", "hydra", 4, 8, api_name="/lab_score")
     assert "entmtp-error" not in out, out
     assert "upload-mine" in out and "measured" in out and "plain decoding" in out
     assert "cut to the 3 levels" in out  # depth 4 > 3 heads
     assert "upload-mine" in [v for _, v in trees["choices"]]
     bad = write(root / "bad_tree.json", json.dumps({"paths": [[0], [1, 0]]}))
-    out = client.predict(handle_file(bad), None, True, "default", "hydra", 8, api_name="/lab_score")[0]
+    out = client.predict(handle_file(bad), None, True, "default", "hydra", 4, 8, api_name="/lab_score")[0]
     assert "entmtp-error" in out and "prefix-closed" in out
     broken = write(root / "broken.json", "{nope")
-    out = client.predict(handle_file(broken), None, True, "default", "hydra", 8, api_name="/lab_score")[0]
+    out = client.predict(handle_file(broken), None, True, "default", "hydra", 4, 8, api_name="/lab_score")[0]
     assert "invalid JSON" in out
     with pytest.raises(Exception, match="(?i)invalid file type"):
-        client.predict(handle_file(write(root / "t.csv", "a,b\n")), None, True, "default", "hydra", 8,
+        client.predict(handle_file(write(root / "t.csv", "a,b\n")), None, True, "default", "hydra", 4, 8,
                        api_name="/lab_score")
+    # the score used the prompts the lab was told to use ("max prompts"), not a limit of its own
+    assert "4 prompts from calib_example.jsonl (bundled)" in client.predict(
+        handle_file(good), None, True, "default", "hydra", 4, 8, api_name="/lab_score")[0]
 
 
 def test_eight_concurrent_chats_do_not_mix(server):
@@ -323,9 +348,11 @@ def test_eight_concurrent_chats_do_not_mix(server):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # gr.Warning outside a request
 def test_lab_says_so_when_the_search_is_missing(monkeypatch):
-    from entmtp import ui
+    from entmtp import ui, ui_lab
 
-    monkeypatch.setattr(ui, "_search_module", lambda: (None, "the topology lab is not available in this version"))
+    missing = lambda: (None, "the topology lab is not available in this version")  # noqa: E731
+    monkeypatch.setattr(ui_lab, "_search_module", missing)
+    monkeypatch.setattr(ui, "_search_module", missing)
     out = ui.lab_search(None, True, "default", "hydra", [4], 4, 8, False, None, progress=lambda *a, **k: None)
     assert "entmtp-error" in out[0] and "not available" in out[0]
     demo = ui.build_demo()
