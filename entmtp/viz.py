@@ -387,8 +387,9 @@ def step_chart_figure(steps: Sequence[Step], height: int = 300, highlight: Optio
             by_tree.setdefault(str(s.tree_name or "?"), []).append(s)
     palette = ["#8b5cf6", "#f59e0b", "#3b82f6", "#ec4899", "#14b8a6", "#ef4444", "#84cc16", "#6b7280"]
     for k, (name, ss) in enumerate(by_tree.items()):
+        # one bar per step, one step wide (plotly sizes a lone bar of a trace to the whole axis otherwise)
         fig.add_trace(go.Bar(x=[s.index for s in ss], y=[s.accept_length for s in ss], name=html.escape(name),
-                             marker=dict(color=palette[k % len(palette)]),
+                             marker=dict(color=palette[k % len(palette)]), width=[0.8] * len(ss),
                              hovertemplate="step %{x}<br>accepted %{y}<br>tree " + html.escape(name) + "<extra></extra>"))
     ents = root_entropies(steps)
     fig.add_trace(go.Scatter(x=[s.index for s in steps], y=[e if _finite(e) else None for e in ents],
@@ -398,11 +399,12 @@ def step_chart_figure(steps: Sequence[Step], height: int = 300, highlight: Optio
     fig.update_layout(**_base_layout("accepted draft tokens per step · root entropy", height))
     fig.update_layout(
         barmode="overlay", bargap=0.15,
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=11)),
+        # below the plot: above it, several tree names overprinted the title
+        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0, font=dict(size=11)),
         xaxis=dict(title="step", gridcolor="#f1f5f9", zeroline=False),
         yaxis=dict(title="accepted", rangemode="tozero", gridcolor="#f1f5f9", dtick=1),
         yaxis2=dict(title="root H (nats)", overlaying="y", side="right", rangemode="tozero", showgrid=False),
-        margin=dict(l=50, r=50, t=56, b=40),
+        margin=dict(l=50, r=50, t=44, b=90),
     )
     if highlight is not None:
         fig.add_vline(x=highlight, line=dict(color="#2563eb", width=2, dash="dot"))
@@ -414,16 +416,23 @@ def step_chart_figure(steps: Sequence[Step], height: int = 300, highlight: Optio
 def race_bar_figure(rows: Sequence[dict], height: int = 320) -> go.Figure:
     """Tokens/s per method (bars) annotated with the speedup against HF generate.
 
-    rows: dicts with "method", "tokens_per_s" and optionally "speedup" (None = unavailable).
+    rows: dicts with "method", "tokens_per_s" and optionally "speedup" (None = unavailable) and
+    "tokens_per_s_range" ((lowest, highest) of repeated runs: drawn as the bar's spread).
     """
     ok = [r for r in rows if _finite(r.get("tokens_per_s"))]
-    fig = go.Figure(go.Bar(
+    spread = None
+    if any(r.get("tokens_per_s_range") for r in ok):
+        lo_hi = [r.get("tokens_per_s_range") or (r["tokens_per_s"], r["tokens_per_s"]) for r in ok]
+        spread = dict(type="data", symmetric=False, color="#334155", thickness=1.5, width=6,
+                      array=[max(hi - r["tokens_per_s"], 0.0) for r, (_, hi) in zip(ok, lo_hi)],
+                      arrayminus=[max(r["tokens_per_s"] - lo, 0.0) for r, (lo, _) in zip(ok, lo_hi)])
+    fig = go.Figure(go.Bar(error_y=spread,
         x=[html.escape(str(r["method"])) for r in ok], y=[r["tokens_per_s"] for r in ok],
         marker=dict(color=[METHOD_COLORS.get(str(r["method"]).split(" ")[0], "#64748b") for r in ok]),
         text=[f"×{r['speedup']:.2f}" if _finite(r.get("speedup")) else "" for r in ok], textposition="outside",
         hovertemplate="%{x}<br>%{y:.1f} tokens/s<extra></extra>", name="tokens/s"))
     fig.update_layout(**_base_layout("tokens/s (label: speedup vs HF generate)", height))
-    top = max((r["tokens_per_s"] for r in ok), default=1.0)
+    top = max(((r.get("tokens_per_s_range") or (0, r["tokens_per_s"]))[1] for r in ok), default=1.0)
     fig.update_yaxes(title="tokens/s", range=[0, top * 1.2 if top > 0 else 1.0], gridcolor="#f1f5f9")
     fig.update_layout(margin=dict(l=50, r=10, t=44, b=40))
     return fig
@@ -446,7 +455,9 @@ def tree_figure(tree: Tree, title: Optional[str] = None, height: int = 380) -> g
     fig.add_trace(go.Scatter(
         x=[pos[i][0] for i in range(tree.size)], y=[pos[i][1] for i in range(tree.size)], mode="markers+text",
         text=["root" if i == 0 else str(ranks[i]) for i in range(tree.size)], textposition="middle center",
-        textfont=dict(size=9, color="white"), name="nodes", showlegend=False, hoverinfo="text",
+        # dark labels on the pale shallow levels (the root is the palest), white on the deep ones
+        textfont=dict(size=9, color=["#111827" if 2 * depth[i] < max(tree.depth, 1) else "white"
+                                     for i in range(tree.size)]), name="nodes", showlegend=False, hoverinfo="text",
         hovertext=[f"node {i}<br>path {list(tree.node_paths[i])}<br>depth {depth[i]}" for i in range(tree.size)],
         marker=dict(size=[26 if i == 0 else 18 for i in range(tree.size)], color=depth, colorscale="Tealgrn",
                     cmin=0, cmax=max(tree.depth, 1), line=dict(color="white", width=1),
