@@ -74,7 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
-from .data import DataError, load_prompts, render_conversation, render_prompt, split_prompts
+from .data import DataError, PromptSet, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
 from .models import ModelLoadError, load_base
 from .verify import last_positions
@@ -1159,6 +1159,84 @@ class TrainResult:
     extra: dict = field(default_factory=dict)
 
 
+def _read_data(args: TrainConfig) -> PromptSet:
+    """The prompt set to train on; TrainError when it is missing or has nothing to train on."""
+    data_path = Path(args.data).expanduser()
+    if not data_path.exists():
+        raise TrainError(f"data file not found: {args.data}")
+    if data_path.is_dir():
+        raise TrainError(f"--data {args.data} is a directory; pass a prompt/conversation file")
+    try:
+        pset = load_prompts(data_path)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    if not args.self_distill and not any(p.has_answer for p in pset.prompts):
+        raise TrainError(f"{args.data}: no row has an assistant answer to train on; "
+                         "add answers or pass --self-distill to generate them with the base model")
+    return pset
+
+
+def _vocab_remap(draft_vocab: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """[vocab_size] full-vocabulary id -> draft row (-1: outside the draft vocabulary)."""
+    if draft_vocab is None:
+        return torch.arange(vocab_size)
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[draft_vocab] = torch.arange(draft_vocab.numel())
+    return remap
+
+
+def _planned_steps(args: TrainConfig, steps_per_epoch: int) -> int:
+    """Steps the LR schedule is planned for: --epochs, capped by --max-steps."""
+    planned = args.max_steps if args.max_steps else 0
+    if args.epochs > 0:
+        by_epochs = max(1, math.ceil(args.epochs * steps_per_epoch))
+        planned = min(planned, by_epochs) if planned else by_epochs
+    return planned
+
+
+def _new_heads(kinds: list[str], args: TrainConfig, base_config, base_name: str, draft_vocab: Optional[torch.Tensor],
+               n_draft: int, init: dict[str, tuple[Path, DraftHeads]]) -> dict[str, DraftHeads]:
+    """kind -> fresh float32 heads (or the --init-from weights) over the draft vocabulary."""
+    heads: dict[str, DraftHeads] = {}
+    for kind in kinds:
+        hk, prefix, _ = KINDS[kind]
+        cfg = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=args.num_layers, prefix_layer=prefix,
+                                   draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
+        cfg.base_model = base_name
+        h = DraftHeads(cfg)
+        if kind in init:  # start from the trained weights (config checked by _init_heads)
+            _load_init(h, init[kind][1])
+        if draft_vocab is not None:
+            h.draft_vocab.copy_(draft_vocab)
+        heads[kind] = h.float()
+    return heads
+
+
+def _train_record(agg: dict[str, torch.Tensor], labels: dict[str, str], args: TrainConfig, gnorms: dict[str, float]) -> tuple[dict, list[str]]:
+    """Per heads kind: loss, per-head LM / teacher losses and top-1 from the summed step statistics
+    `agg` (suffix -> [K, 5]: positions, targets, lm loss, teacher loss, top-1 hits); and a short
+    text per kind for the progress line."""
+    rec, parts = {}, []
+    for s, v in agg.items():
+        n = v[:, 0].clamp_min(1)
+        lm = (v[:, 2] / v[:, 1].clamp_min(1))
+        tl = (v[:, 3] / n)
+        top1 = (v[:, 4] / v[:, 1].clamp_min(1))
+        label = labels[s]
+        loss_v = float((args.lm_loss_weight * lm + args.teacher_loss_weight * tl).sum())
+        rec[label] = {"loss": round(loss_v, 4), "lm": [round(float(x), 4) for x in lm],
+                      "teacher": [round(float(x), 4) for x in tl], "train_top1": [round(float(x), 4) for x in top1],
+                      "grad_norm": round(gnorms.get(label, float("nan")), 4)}
+        parts.append(f"{label} {loss_v:.3f} top1 " + "/".join(f"{float(x):.2f}" for x in top1))
+    return rec, parts
+
+
+_RECIPE_FIELDS = ("heads", "num_heads", "num_layers", "draft_vocab", "self_distill", "gen_max_new_tokens", "gen_batch_size",
+                  "gen_temperature", "held_out", "max_prompts", "max_len", "epochs", "max_steps", "time_budget_min",
+                  "batch_size", "lr", "warmup", "weight_decay", "final_lr_mult", "max_grad_norm", "lm_loss_weight",
+                  "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed", "init_from")
+
+
 def run_training(args: TrainConfig) -> TrainResult:
     """Run the whole pipeline; raises TrainError on bad input. See the module docstring."""
     t_start = time.time()
@@ -1170,20 +1248,8 @@ def run_training(args: TrainConfig) -> TrainResult:
 
     from accelerate import Accelerator
 
-    # ---- data (before the model: a bad file fails fast) ------------------------------------
-    data_path = Path(args.data).expanduser()
-    if not data_path.exists():
-        raise TrainError(f"data file not found: {args.data}")
-    if data_path.is_dir():
-        raise TrainError(f"--data {args.data} is a directory; pass a prompt/conversation file")
-    try:
-        pset = load_prompts(data_path)
-    except DataError as e:
-        raise TrainError(str(e)) from None
+    pset = _read_data(args)  # before the model: a bad file fails fast
     prompts = list(pset.prompts)
-    if not args.self_distill and not any(p.has_answer for p in prompts):
-        raise TrainError(f"{args.data}: no row has an assistant answer to train on; "
-                         "add answers or pass --self-distill to generate them with the base model")
 
     try:
         accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
@@ -1246,11 +1312,7 @@ def run_training(args: TrainConfig) -> TrainResult:
         ctx.print("init: starting from " + ", ".join(f"{k} {d}" for k, (d, _) in init.items()))
     else:
         draft_vocab = _build_draft_vocab(seqs, args.draft_vocab, cfg_vocab, eos)
-    remap_cpu = torch.full((cfg_vocab,), -1, dtype=torch.long)
-    if draft_vocab is None:
-        remap_cpu = torch.arange(cfg_vocab)
-    else:
-        remap_cpu[draft_vocab] = torch.arange(draft_vocab.numel())
+    remap_cpu = _vocab_remap(draft_vocab, cfg_vocab)
     n_draft = cfg_vocab if draft_vocab is None else int(draft_vocab.numel())
     if draft_vocab is not None:
         held_ans = torch.cat([seqs[i].ids[seqs[i].mask] for i in held_idx]) if held_idx else torch.zeros(0, dtype=torch.long)
@@ -1260,10 +1322,7 @@ def run_training(args: TrainConfig) -> TrainResult:
     # ---- features ----------------------------------------------------------------------------------
     K = args.num_heads
     order = _Order(len(train_idx), args.batch_size, args.seed)
-    planned = args.max_steps if args.max_steps else 0
-    if args.epochs > 0:
-        by_epochs = max(1, math.ceil(args.epochs * order.steps_per_epoch))
-        planned = min(planned, by_epochs) if planned else by_epochs
+    planned = _planned_steps(args, order.steps_per_epoch)
     use_cache = args.cache_features if args.cache_features is not None else planned > order.steps_per_epoch
     base_dtype = next(model.parameters()).dtype
     store_dtype = torch.bfloat16 if base_dtype == torch.bfloat16 else torch.float16
@@ -1294,18 +1353,7 @@ def run_training(args: TrainConfig) -> TrainResult:
     torch.manual_seed(args.seed)
     name = args.name or _model_name(args.model)
     base_name = "SmolLM2-135M-Instruct" if str(args.model).strip().lower() == "default" else str(args.model)
-    heads: dict[str, DraftHeads] = {}
-    for kind in kinds:
-        hk, prefix, _ = KINDS[kind]
-        cfg = HeadsConfig.for_base(model.config, hk, num_heads=K, num_layers=args.num_layers, prefix_layer=prefix,
-                                   draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
-        cfg.base_model = base_name
-        h = DraftHeads(cfg)
-        if kind in init:  # start from the trained weights (config checked by _init_heads)
-            _load_init(h, init[kind][1])
-        if draft_vocab is not None:
-            h.draft_vocab.copy_(draft_vocab)
-        heads[kind] = h.float()
+    heads = _new_heads(kinds, args, model.config, base_name, draft_vocab, n_draft, init)
     emb_w = model.get_input_embeddings().weight.detach().float().to(ctx.device)
     lm_full = model.get_output_embeddings().weight.detach()
     lm_w = (lm_full if draft_vocab is None else lm_full.index_select(0, draft_vocab.to(lm_full.device))).float().to(ctx.device).contiguous()
@@ -1409,18 +1457,8 @@ def run_training(args: TrainConfig) -> TrainResult:
             agg = {s: ctx.sum(v.to(ctx.device)).cpu() for s, v in run_stats.items()}
             rec = {"step": step, "epoch": epoch, "lr": args.lr * mult, "elapsed_s": round(time.time() - t_start, 1),
                    "sec_per_step": round(sum(step_times[-args.log_every:]) / len(step_times[-args.log_every:]), 4)}
-            parts = []
-            for s, v in agg.items():
-                n = v[:, 0].clamp_min(1)
-                lm = (v[:, 2] / v[:, 1].clamp_min(1))
-                tl = (v[:, 3] / n)
-                top1 = (v[:, 4] / v[:, 1].clamp_min(1))
-                label = core.labels[s]
-                loss_v = float((args.lm_loss_weight * lm + args.teacher_loss_weight * tl).sum())
-                rec[label] = {"loss": round(loss_v, 4), "lm": [round(float(x), 4) for x in lm],
-                              "teacher": [round(float(x), 4) for x in tl], "train_top1": [round(float(x), 4) for x in top1],
-                              "grad_norm": round(gnorms.get(label, float("nan")), 4)}
-                parts.append(f"{label} {loss_v:.3f} top1 " + "/".join(f"{float(x):.2f}" for x in top1))
+            per_kind, parts = _train_record(agg, core.labels, args, gnorms)
+            rec.update(per_kind)
             history.append({"train": rec})
             run_stats = {}
             if ctx.main:
@@ -1460,11 +1498,7 @@ def run_training(args: TrainConfig) -> TrainResult:
                  "n_train_tokens": sum(len(seqs[i]) for i in train_idx), "n_train_answer_tokens": n_train_tok,
                  "n_held_out_answer_tokens": sum(int(seqs[i].mask.sum()) for i in held_idx),
                  "sequence_notes": seq_info, "self_distill": sd_stats}
-    recipe = {k: getattr(args, k) for k in (
-        "heads", "num_heads", "num_layers", "draft_vocab", "self_distill", "gen_max_new_tokens", "gen_batch_size",
-        "gen_temperature", "held_out", "max_prompts", "max_len", "epochs", "max_steps", "time_budget_min",
-        "batch_size", "lr", "warmup", "weight_decay", "final_lr_mult", "max_grad_norm", "lm_loss_weight",
-        "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed", "init_from")}
+    recipe = {k: getattr(args, k) for k in _RECIPE_FIELDS}
     recipe.update({"planned_steps": planned, "steps_per_epoch": order.steps_per_epoch, "draft_vocab_size": n_draft,
                    "optimizer": "AdamW", "schedule": "linear warmup + cosine", "processes": ctx.world,
                    "features": "cached" if use_cache else "on the fly",
