@@ -25,7 +25,6 @@ from .data import DataError, Prompt, render_prompt
 from .decoding import ContextError, DecodeConfig
 from .methods import (DEFAULT_LOOKUP, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
                       method_heads, method_lookup, parse_methods)
-from .methods import best_hydra, default_tree  # noqa: F401 - still imported from here by the app until it moves
 from .models import ModelLoadError, describe_model
 from .trees import TreeError, resolve_tree
 from .verify import UnsupportedModelError
