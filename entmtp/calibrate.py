@@ -1119,7 +1119,7 @@ def size_grid(max_nodes: int) -> list[int]:
     Dense where the searched trees live, because step time is not smooth there: matrix
     kernels block the rows (tree nodes + root), so one more node can cross a block edge. On
     the 2-core AVX-512 CPU of docs/bench, trees of 1-4 nodes cost the same, the 5th node
-    +1.4 ms and the 6th +2.3 ms of a 33 ms step (trees/reports/smollm2-135m-hydra-latency.json,
+    +1.4 ms and the 6th +2.3 ms of a 33 ms step (assets/search/reports/smollm2-135m-hydra-latency.json,
     pooled over depths); a grid of 4, 6, 8 interpolated that edge away.
     """
     coarse = [24, 32, 48, 64, 96, 128, 192, 256, 384, 512]

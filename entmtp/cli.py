@@ -85,7 +85,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("prompt", help="the user message (rendered with the model's chat template)")
     p.add_argument("--method", default="hydra", choices=OUR_METHODS)
-    p.add_argument("--tree", default=None, help="tree JSON file or name in trees/ (default: the heads' calibrated tree)")
+    p.add_argument("--tree", default=None, help="tree JSON file or the name of a shipped tree, e.g. mc_sim_7b_63 (default: the tree chosen for the heads here)")
     p.add_argument("--scheduler", default=None, help="tree scheduler (static, ladder, hysteresis, entropy, dynamic); "
                                                      "default: the method's")
     p.add_argument("--bank", default=None, help="tree bank JSON for adaptive schedulers")
@@ -307,13 +307,13 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                         "<model>-<heads>-race.json (for CPUs whose step times are too noisy to rank small trees)")
     p.add_argument("--race-max-nodes", type=int, default=6, help="--race: largest proposed tree")
     p.add_argument("--race-max-depth", type=int, default=3, help="--race: deepest proposed tree")
-    p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. trees/)")
+    p.add_argument("--save-trees-to", default=None, help="also copy the chosen trees here (e.g. assets/search/trees/)")
     p.add_argument("--tag", default="", help="tag in the saved tree and bank names, e.g. fp32 -> MODEL-HEADS-fp32-b8.json")
 
 
 def add_score_args(p: argparse.ArgumentParser) -> None:
     add_lab_args(p)
-    p.add_argument("--tree", required=True, help="tree JSON file or a name in trees/")
+    p.add_argument("--tree", required=True, help="tree JSON file or the name of a shipped tree")
     p.add_argument("--stats", default=None, help="statistics: a search output directory, its search.json, or a stats.json "
                                                  "(default: a statistics pass over --data now)")
     p.add_argument("--max-prompts", type=int, default=24, help="at most this many prompts")

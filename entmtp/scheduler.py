@@ -297,7 +297,7 @@ def recorded_default(engine, heads: Optional[str], key: str) -> Optional[str]:
 
 
 def default_bank_path(engine, heads: Optional[str]) -> Path:
-    """The entropy bank recorded in the loaded heads' meta (`default_bank[_<dtype>]`, a file in trees/)."""
+    """The entropy bank recorded in the loaded heads' meta (`default_bank[_<dtype>]`, a shipped file in `TREES_DIR`)."""
     name = recorded_default(engine, heads, "default_bank")
     if not name or not (TREES_DIR / name).is_file():
         raise TreeError(f"no entropy bank recorded for the {heads or 'loaded'} heads; fit one with `entmtp search` or pass --bank")

@@ -316,11 +316,13 @@ def load_tree(path: str | Path) -> Tree:
         raise TreeError(f"{p.name}: {e}") from None
 
 
-TREES_DIR = Path(__file__).resolve().parent.parent / "trees"
+# the trees shipped with the package: reference topologies (chain_N, mc_sim_7b_63, ...) and the trees
+# and entropy banks the embedded heads record as their defaults; search outputs go where the lab writes
+TREES_DIR = Path(__file__).resolve().parent / "trees"
 
 
 def resolve_tree(spec: str | Tree | Sequence[Sequence[int]]) -> Tree:
-    """A Tree from a Tree, a rank-path list, a file path, or a name in the shipped `trees/`."""
+    """A Tree from a Tree, a rank-path list, a file path, or the name of a shipped tree (`TREES_DIR`)."""
     if isinstance(spec, Tree):
         return spec
     if not isinstance(spec, str):
@@ -333,4 +335,4 @@ def resolve_tree(spec: str | Tree | Sequence[Sequence[int]]) -> Tree:
             return load_tree(cand)
     if spec.startswith("chain_") and spec[6:].isdigit():
         return Tree.chain(int(spec[6:]))
-    raise TreeError(f"unknown tree {spec!r}: give a JSON file path or a name in {TREES_DIR}")
+    raise TreeError(f"unknown tree {spec!r}: give a JSON file path or the name of a shipped tree ({TREES_DIR})")

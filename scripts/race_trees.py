@@ -12,7 +12,7 @@ load drift hits all alike. Prints tokens/s, tau and speedup vs plain decoding; -
 winner, with the race in its provenance, as a tree file.
 
     python scripts/race_trees.py --heads hydra --stats runs/search-hydra-bf16 --dtype bfloat16 \
-        [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save trees/NAME.json [--record]]
+        [--max-nodes 6] [--max-depth 3] [--prompts 24] [--skip 0] [--save entmtp/trees/NAME.json [--record]]
 
 `entmtp search ... --race N` runs the same race as step 6 of a search (with `--stats DIR` on an
 earlier search's statistics); this script adds `--trees`, `--skip` and `--record`.
@@ -40,13 +40,13 @@ def main() -> int:
     ap.add_argument("--max-nodes", type=int, default=6)
     ap.add_argument("--max-depth", type=int, default=3)
     ap.add_argument("--min-nodes", type=int, default=2)
-    ap.add_argument("--trees", default="", help="more trees to race, comma separated (files or names in trees/)")
+    ap.add_argument("--trees", default="", help="more trees to race, comma separated (files or names of shipped trees)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--skip", type=int, default=0, help="skip this many held-out prompts first")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--save", default=None, help="write the fastest tree here (tree JSON with the race's figures)")
     ap.add_argument("--record", action="store_true",
-                    help="with --save into trees/: make it the embedded heads' default tree for this dtype and hardware "
+                    help="with --save into entmtp/trees/: make it the embedded heads' default tree for this dtype and hardware "
                          "class (meta.default_tree_<dtype>@<class> in assets/heads/<name>-<kind>/config.json)")
     args = ap.parse_args()
 
@@ -103,8 +103,8 @@ def main() -> int:
             from entmtp.hardware import hardware_class
 
             root = Path(__file__).resolve().parents[1]
-            if Path(args.save).resolve().parent != root / "trees":
-                print("error: --record needs --save trees/NAME.json", file=sys.stderr)
+            if Path(args.save).resolve().parent != root / "entmtp" / "trees":
+                print("error: --record needs --save entmtp/trees/NAME.json", file=sys.stderr)
                 return 2
             cfg_file = root / "assets" / "heads" / f"smollm2-135m-{args.heads.replace('++', 'pp')}" / "config.json"
             cfg = json.loads(cfg_file.read_text())

@@ -1,8 +1,9 @@
 """Record in each embedded head checkpoint which calibrated tree and entropy bank it uses by default.
 
-After `entmtp search ... --save-trees-to trees/` for every head kind (scripts/reproduce_embedded.sh):
-the best tokens/s tree of at most 64 nodes (`<name>-b64.json`) becomes the heads' default tree and
-`<name>-bank.json` their entropy bank (`meta.default_tree` / `meta.default_bank` in config.json).
+After `entmtp search ... --save-trees-to assets/search/trees/` for every head kind
+(scripts/reproduce_embedded.sh): the best tokens/s tree of at most 64 nodes (`<name>-b64.json`) becomes
+the heads' default tree and `<name>-bank.json` their entropy bank (`meta.default_tree` /
+`meta.default_bank` in config.json); both are copied into the package's shipped trees (entmtp/trees/).
 With `--dtype float32 --tag fp32 --kinds hydrapp`: `<name>-fp32-b64.json` / `<name>-fp32-bank.json`
 become `meta.default_tree_float32` / `meta.default_bank_float32` (used when the base runs in float32).
 With `--hardware cpu-avx2` as well: `meta.default_tree_float32@cpu-avx2` (used only on CPUs of that
@@ -15,6 +16,7 @@ measure it first with scripts/compare_lookup.py). The recorded AVX2 bf16 setting
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +27,8 @@ KINDS = {"medusa": "medusa", "hydra": "hydra", "hydrapp": "hydra++"}
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads-dir", default=str(ROOT / "assets" / "heads"))
-    ap.add_argument("--trees-dir", default=str(ROOT / "trees"))
+    ap.add_argument("--trees-dir", default=str(ROOT / "assets" / "search" / "trees"), help="where the search saved its trees")
+    ap.add_argument("--package-trees", default=str(ROOT / "entmtp" / "trees"), help="the package's shipped trees")
     ap.add_argument("--name", default="smollm2-135m")
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="record as the default for this dtype only (e.g. float32)")
@@ -68,6 +71,8 @@ def main() -> int:
         if missing:
             print(f"error: missing {', '.join(map(str, missing))}", file=sys.stderr)
             return 2
+        for name in (tree, bank):  # the package ships what the heads record
+            shutil.copyfile(Path(args.trees_dir) / name, Path(args.package_trees) / name)
         cfg = json.loads(cfg_path.read_text())
         cfg.setdefault("meta", {}).update({f"default_tree{key_suffix}": tree, f"default_bank{key_suffix}": bank})
         cfg_path.write_text(json.dumps(cfg, indent=1) + "\n")

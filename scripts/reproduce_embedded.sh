@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the embedded artefacts: the trained heads (assets/heads/), the calibrated trees and
-# entropy banks (trees/), and the benchmark tables of README.md. CPU, about 7.5 h on 2 cores.
+# entropy banks (entmtp/trees/, search outputs in assets/search/), and the benchmark tables of README.md. CPU, about 7.5 h on 2 cores.
 # Run inside the project environment (bash run.sh install; . .venv/bin/activate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,12 +73,12 @@ rm -rf assets/heads/smollm2-135m-hydrapp && cp -r runs/heads-v6/smollm2-135m-hyd
 for heads in hydra hydra++ medusa; do
   python -m entmtp search --model default --heads "$heads" --data runs/calib_prompts.jsonl \
     --budgets 4,8,16,32,64 --dtype bfloat16 --max-prompts 200 --max-new-tokens 64 --no-progress \
-    --out "runs/search-${heads/++/pp}" --save-trees-to trees/
+    --out "runs/search-${heads/++/pp}" --save-trees-to assets/search/trees/
 done
 python scripts/record_default_trees.py
 python -m entmtp search --model default --heads hydra++ --data runs/calib_prompts.jsonl \
   --budgets 4,8,16,32,64 --dtype float32 --max-prompts 200 --max-new-tokens 64 --no-progress \
-  --out runs/search-hydrapp-fp32 --save-trees-to trees/ --tag fp32
+  --out runs/search-hydrapp-fp32 --save-trees-to assets/search/trees/ --tag fp32
 python scripts/record_default_trees.py --dtype float32 --tag fp32 --kinds hydrapp
 #    The trees and banks for CPUs without bf16 units (hardware class cpu-avx2: an AVX2-only CPU):
 #    float32 with packed oneDNN kernels and bfloat16 with entmtp's AVX2 panel kernels
@@ -90,15 +90,15 @@ if [ "$(python -c 'from entmtp.hardware import hardware_class; print(hardware_cl
     for heads in hydra++ hydra medusa; do
       python -m entmtp search --model default --heads "$heads" --data runs/calib_prompts.jsonl \
         --budgets 4,8,16,32,64 --dtype "$dtype" --max-prompts 200 --max-new-tokens 64 --no-progress \
-        --out "runs/search-${heads/++/pp}-$short-avx2" --save-trees-to trees/ --tag "$short-avx2"
+        --out "runs/search-${heads/++/pp}-$short-avx2" --save-trees-to assets/search/trees/ --tag "$short-avx2"
     done
     python scripts/record_default_trees.py --dtype "$dtype" --hardware cpu-avx2 --tag "$short-avx2" --kinds hydrapp,hydra,medusa
   done
   #  the bf16 Hydra++ default is the winner of an on-policy race of small trees (the
   #  latency medians no longer rank 2-6 node trees on a busy VM); the Hydra++ bank stays the search's
   python scripts/race_trees.py --heads hydra++ --stats runs/search-hydrapp-bf16-avx2 --dtype bfloat16 \
-    --max-nodes 5 --max-depth 3 --min-nodes 3 --trees trees/smollm2-135m-hydrapp-bf16-avx2-b64.json --prompts 24 \
-    --save trees/smollm2-135m-hydrapp-bf16-avx2-race.json --record
+    --max-nodes 5 --max-depth 3 --min-nodes 3 --trees assets/search/trees/smollm2-135m-hydrapp-bf16-avx2-b64.json --prompts 24 \
+    --save entmtp/trees/smollm2-135m-hydrapp-bf16-avx2-race.json --record
   #  entmtp's lookup branch in bf16 here grafts only after matches of >= 2 tokens
   #  (a tree row is dear; measured against 1 and 3 on held-out calibration prompts)
   python scripts/compare_lookup.py --data runs/calib_prompts.jsonl --n 24 --seed 18 --variants 0,4:1,4:2,4:3
