@@ -1,0 +1,60 @@
+"""The method registry: one meaning per method name, whichever face asks."""
+
+import pytest
+import torch
+
+from conftest import random_heads, tiny_model
+from entmtp.decoding import Engine
+from entmtp.methods import (CUSTOM, DEFAULT_LOOKUP, METHODS, OUR_METHODS, MethodError, get_method, heads_to_load,
+                            make_runner, method_heads, method_lookup, parse_methods)
+from entmtp.scheduler import Scheduler
+
+
+def test_every_method_once_with_its_label():
+    assert list(METHODS) == ["hf", "pld", "baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic"]
+    assert METHODS["hf"].label == "HF generate, greedy"
+    assert len({m.label for m in METHODS.values()}) == len(METHODS)
+    assert OUR_METHODS == ("baseline", "lookup", "medusa", "hydra", "hydra++", "entmtp", "dynamic")
+    assert DEFAULT_LOOKUP == {"lookup": (8, 1), "entmtp": (4, 1)}
+    assert [m for m, v in METHODS.items() if v.heads is None] == ["hf", "pld", "baseline", "lookup"]
+
+
+def test_heads_follow_what_is_loaded():
+    # the Hydra family takes the best loaded (Hydra++ first); without runners: what would be loaded
+    assert method_heads("entmtp", ["medusa", "hydra"]) == "hydra"
+    assert method_heads("entmtp", ["hydra", "hydra++"]) == "hydra++"
+    assert method_heads("dynamic") == "hydra++" and method_heads("medusa", ["hydra"]) == "medusa"
+    assert method_heads("baseline", ["hydra"]) is None and method_heads("hf") is None
+    # user-supplied heads serve every method with heads, none without
+    assert method_heads("medusa", [CUSTOM]) == CUSTOM and method_heads("lookup", [CUSTOM]) is None
+    assert heads_to_load(["hf", "baseline", "medusa", "entmtp", "dynamic"]) == ["hydra++", "medusa"]
+
+
+def test_unknown_methods_are_one_line_errors():
+    assert parse_methods(" hf, entmtp ,") == ["hf", "entmtp"]
+    with pytest.raises(MethodError, match="unknown method\\(s\\) warp; choose from baseline, lookup"):
+        parse_methods("baseline,warp", OUR_METHODS)
+    with pytest.raises(MethodError, match="no methods"):
+        parse_methods(" , ")
+    with pytest.raises(MethodError, match="unknown method 'eagle'"):
+        get_method("eagle")
+    assert isinstance(MethodError("x"), ValueError)  # a user error wherever ValueErrors are
+
+
+def test_runners_decode_what_the_registry_says():
+    m = tiny_model("llama", vocab=64, seed=3)
+    eng = Engine(m, None, {"hydra": random_heads(m, "hydra", num_heads=3, seed=2)})
+    ids = list(range(5, 17))
+    hf = make_runner(eng, "hf", 8)(ids)
+    base = make_runner(eng, "baseline", 8)(ids)
+    hydra = make_runner(eng, "hydra", 8, tree="binary_2x2", progress=None)
+    assert type(hydra.scheduler) is Scheduler and hydra.heads == "hydra" and hydra.config.lookup == 0
+    out = hydra(ids)
+    assert hf.tokens == base.tokens == out.tokens and len(out.tokens) == 8  # greedy, float32: lossless
+    assert hf.forwards == 8 and base.forwards == 8 and out.forwards <= 8 and out.result is not None
+    assert "binary_2x2" in hydra.label and base.result.tau == 1.0
+    entmtp = make_runner(eng, "entmtp", 8, tree="binary_2x2", scheduler="static", progress=None)
+    assert entmtp.heads == "hydra" and entmtp.config.lookup == method_lookup("entmtp")["lookup"] == 4
+    with pytest.raises(MethodError, match="medusa needs medusa heads"):
+        make_runner(eng, "medusa", 8)
+    assert torch.equal(torch.tensor(entmtp(ids).tokens), torch.tensor(base.tokens))
