@@ -4,18 +4,14 @@ Every method decodes the same prompts in one run, interleaved (the method order 
 prompt so drift in machine load hits every method alike), after a warm-up; each (prompt,
 method) keeps the median of `--repeats` runs. Reported per method and per category:
 tokens/s, tau (tokens per base forward, counted with a forward hook for transformers'
-methods), speedup against `hf` (transformers' `generate`) and the share of prompts whose
-output is token-identical to `hf`, and for our methods (with `baseline` in the run) to our own
-plain loop on the same kernels -- the lossless claim, exact in bf16 too where the kernels compute
-every row alike (`kernels.FusedAttention`).
+methods), and two speedups kept apart: over our own plain loop on the same kernels (`baseline`:
+what speculation alone buys) and over `hf` (transformers' `generate`: speculation times our
+kernels); the share of prompts whose output is token-identical to `hf`, and for our methods to
+our own plain loop -- the lossless claim, exact in bf16 too where the kernels compute every row
+alike (`kernels.FusedAttention`). With >= 3 repeats the headline ratios carry their spread.
 
-Methods: hf (transformers greedy `generate`), pld (transformers prompt-lookup decoding),
-baseline (our autoregressive loop), lookup (our prompt-lookup decoding: a chain copied from the
-context, no heads), medusa, hydra, hydra++ (our heads with their best static tree), entmtp
-(Hydra heads + the entropy-aware scheduler and its bank + a prompt-lookup branch grafted onto
-each tree), dynamic (Hydra heads + EAGLE-2 style dynamic trees, for comparison).
+The methods are `entmtp.methods.METHODS` (each run by its `methods.Runner`).
 """
-
 from __future__ import annotations
 
 import csv
