@@ -12,6 +12,7 @@ alike (`kernels.FusedAttention`). With >= 3 repeats the headline ratios carry th
 
 The methods are `entmtp.methods.METHODS` (each run by its `methods.Runner`).
 """
+
 from __future__ import annotations
 
 import csv
