@@ -1066,6 +1066,44 @@ class SearchConfig:
         return dataclasses.replace(self, budgets=tuple(_check_budgets(self.budgets)))
 
 
+def _prompt_list(prompts: Sequence[Prompt] | PromptSet) -> tuple[list[Prompt], dict]:
+    """The prompts as a list, and their provenance (source, sha256, format, rows skipped)."""
+    data = {"source": None, "sha256": None, "skipped": 0}
+    if isinstance(prompts, PromptSet):
+        data = {"source": prompts.source, "sha256": prompts.sha256, "format": prompts.format, "skipped": len(prompts.skipped)}
+        prompts = prompts.prompts
+    prompts = list(prompts)
+    if not prompts:
+        raise DataError("no prompts")
+    if not all(isinstance(p, Prompt) for p in prompts):
+        raise ValueError("run_search needs Prompt objects (load them with entmtp.data.load_prompts)")
+    if data["sha256"] is None:
+        data["sha256"] = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
+    return prompts, data
+
+
+def _split(prompts: list[Prompt], cfg: SearchConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """(calibration, held-out) prompts: a seeded split, each side cut to what the search uses."""
+    calib, held = split_prompts(prompts, cfg.held_out, cfg.seed) if cfg.held_out > 0 else (prompts, [])
+    calib, held = calib[:cfg.max_calibration], held[:max(cfg.max_eval + cfg.race_prompts, cfg.max_held_out)]
+    if cfg.race_prompts and len(held) <= cfg.max_eval:
+        raise DataError(f"the race needs held-out prompts beyond the {cfg.max_eval} of the on-policy check, but the split "
+                        f"holds {len(held)}: give more prompts, a larger held-out fraction or fewer eval prompts")
+    if cfg.held_out > 0 and not held:
+        raise DataError("the held-out set is empty: give at least two distinct prompts or --held-out 0")
+    return calib, held
+
+
+def _typical_context(engine, calib: list[Prompt], max_new_tokens: int) -> Optional[list[int]]:
+    """Token ids of a typical decoding context for the latency model: the median calibration
+    prompt plus half a generation (None without a tokenizer)."""
+    if not calib or engine.tokenizer is None:
+        return None
+    enc = sorted(encode_prompts(engine, calib[:64]), key=lambda x: len(x[1]))
+    mid = enc[len(enc) // 2][1]
+    return mid + (mid * (1 + max_new_tokens // max(1, len(mid))))[: max_new_tokens // 2]
+
+
 def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config: SearchConfig | Sequence[int] | None = None,
                *, latency: Optional[LatencyModel] = None, progress: Optional[Progress] = None, state=None,
                **fields) -> Optional[SearchReport]:
@@ -1088,24 +1126,8 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config
         raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(engine.runners) or 'none'})")
     max_new_tokens, held_out, seed, union = cfg.max_new_tokens, cfg.held_out, cfg.seed, cfg.union
     max_eval, race_prompts, reuse_stats = cfg.max_eval, cfg.race_prompts, cfg.reuse_stats
-    data = {"source": None, "sha256": None, "skipped": 0}
-    if isinstance(prompts, PromptSet):
-        data = {"source": prompts.source, "sha256": prompts.sha256, "format": prompts.format, "skipped": len(prompts.skipped)}
-        prompts = prompts.prompts
-    prompts = list(prompts)
-    if not prompts:
-        raise DataError("no prompts")
-    if not all(isinstance(p, Prompt) for p in prompts):
-        raise ValueError("run_search needs Prompt objects (load them with entmtp.data.load_prompts)")
-    if data["sha256"] is None:
-        data["sha256"] = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
-    calib, held = split_prompts(prompts, held_out, seed) if held_out > 0 else (prompts, [])
-    calib, held = calib[:cfg.max_calibration], held[:max(max_eval + race_prompts, cfg.max_held_out)]
-    if race_prompts and len(held) <= max_eval:
-        raise DataError(f"the race needs held-out prompts beyond the {max_eval} of the on-policy check, but the split "
-                        f"holds {len(held)}: give more prompts, a larger held-out fraction or fewer eval prompts")
-    if held_out > 0 and not held:
-        raise DataError("the held-out set is empty: give at least two distinct prompts or --held-out 0")
+    prompts, data = _prompt_list(prompts)
+    calib, held = _split(prompts, cfg)
     runner = engine.runners[heads]
     K = runner.config.num_heads
     ref = resolve_tree(REFERENCE_TREE).truncated(K)
@@ -1153,12 +1175,7 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config
     # 2. latency
     t0 = time.perf_counter()
     if latency is None:
-        ctx = None
-        if calib and engine.tokenizer is not None:
-            # a typical context: the median calibration prompt plus half a generation
-            enc = sorted(encode_prompts(engine, calib[:64]), key=lambda x: len(x[1]))
-            mid = enc[len(enc) // 2][1]
-            ctx = mid + (mid * (1 + max_new_tokens // max(1, len(mid))))[: max_new_tokens // 2]
+        ctx = _typical_context(engine, calib, max_new_tokens)
         latency = load_or_measure_latency(engine, heads, max_nodes=max(max(budgets), ref.n_nodes), remeasure=cfg.remeasure,
                                           repeats=cfg.latency_repeats, progress=progress, context_ids=ctx)
     timings["latency_s"] = time.perf_counter() - t0
