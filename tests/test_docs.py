@@ -19,7 +19,7 @@ README_MAX_BYTES = 15_000
 # named after sessions. "session" alone is fine (a Gradio session, pytest's scope="session").
 TALK = re.compile(
     r"\bsessions? ?-?\d+"
-    r"|\b(this|that|each|next|previous|earlier|later) session's (changes|machine|fresh machine|runs?|figures?|kernels|statistics|tables?|bench)"
+    r"|\b(this|that|each|next|previous|earlier|later) session's (changes|machine|fresh machine|runs?|figures?|kernels|statistics|tables?|bench)\b"
     r"|\bissues? #?\d+\b|\bissue's\b|\bissue (targets?|notes?|tracker)\b"
     r"|\bthrowaway\b|\blent\b|\bdevice tool\b|\.library/device"
     r"|runs/(search|probe|bench|b)1\d",
@@ -130,6 +130,8 @@ def test_no_file_speaks_of_sessions_issues_or_lent_machines():
     ("entmtp search --stats runs/search15-hydra-bf16", True),
     ("@pytest.fixture(scope=\"session\")", False),
     ("the lab's trees are offered in this session's chat", False),
+    ("Stop this session's running reply at its next step", False),
+    ("the 4000 prompts cached on that session's machine", True),
     ("each layer is probed at load; this one issues half the instructions", False),
     ("trees/smollm2-135m-hydra-b16-tau.json", False),
 ])
