@@ -312,7 +312,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
         for c, ms in summary["categories"].items():
             cat_lines.append(f"| {c} | " + " | ".join(
                 f"{ms[m].get('speedup_vs_hf') or 0:.2f}x" if "hf" in methods else f"{ms[m]['tokens_per_s']:.1f}" for m in methods) + " |")
-    md = [f"# entmtp bench", "", f"`{meta['command']}`", "",
+    md = ["# entmtp bench", "", f"`{meta['command']}`" + (f" ({meta['date']})" if meta.get("date") else ""), "",
           f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
           f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']} ({meta.get('hardware', '?')}).",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
@@ -373,7 +373,7 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
     ours = [m for m in cfg.methods if METHODS[m].ours]
     looks = {m: method_lookup(m, engine, method_heads(m, engine.runners), lookup=cfg.lookup, min_ngram=cfg.lookup_min_ngram)
              for m in ours}
-    return {"command": command, "model": describe_model(engine.model), "dtype": str(engine.dtype).removeprefix("torch."),
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), "model": describe_model(engine.model), "dtype": str(engine.dtype).removeprefix("torch."),
             "device": str(engine.device), "prompts": len(prompts), "prompt_file_sha256": ps.sha256,
             "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",

@@ -41,6 +41,7 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert "| hydra |" in report and "identical to baseline |" in report and "speedup vs baseline | speedup vs hf |" in report and "plotly" in (out / "report.html").read_text()
     # what ran where: the hardware class, and the trees the heads record (none here) and the override
     assert s["meta"]["hardware"].startswith("cpu-") and s["meta"]["overrides"]["tree"] == "binary_2x2"
+    assert len(s["meta"]["date"]) == 10 and f"({s['meta']['date']})" in report  # results carry their date
     assert list(s["meta"]["recorded_trees"].values()) == [{"tree": None, "bank": None}]  # one head set, nothing recorded
     assert "overridden by --tree binary_2x2" in (out / "report.md").read_text()
     assert "speedup vs baseline | speedup vs hf |" in printed.out and "bookkeeping share of step time" in printed.out
