@@ -398,6 +398,8 @@ def cmd_score(args) -> int:
         raise CLIError("--max-prompts must be >= 1")
     tree = resolve_tree(args.tree)
     ps = search.load_data(args.data)
+    if ps.skipped:
+        _say(ps.skipped_note())
     stats = search.load_stats_any(args.stats) if args.stats else None
     engine = load_engine_for(model_options(args), ["hydra"])
     heads = method_heads("hydra", engine.runners)

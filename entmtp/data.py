@@ -47,9 +47,11 @@ Errors
 ------
 Problems with single rows are collected in :attr:`PromptSet.skipped` as :class:`RowError`
 (1-based *line* number for JSONL and text, 1-based *element* number for JSON lists) and the
-row is skipped.  Problems with the whole input (missing, empty, binary, not UTF-8, unparsable
-JSON, over ``max_bytes`` / ``max_rows``, no usable row) raise :class:`DataError`, a
-``ValueError`` whose message is one human-readable line.  Nothing else is raised for bad data.
+row is skipped, never in silence: :meth:`PromptSet.skipped_note` is the line ("skipped 1 of 3
+rows: line 2: …") that ``score``, ``search``, ``train`` and the app show.  Problems with the
+whole input (missing, empty, binary, not UTF-8, unparsable JSON, over ``max_bytes`` /
+``max_rows``, no usable row) raise :class:`DataError`, a ``ValueError`` whose message is one
+human-readable line.  Nothing else is raised for bad data.
 
 Rendering and splitting
 -----------------------
@@ -114,13 +116,15 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class RowError:
-    """A skipped row: ``row`` is 1-based (line for JSONL/text, element for JSON lists)."""
+    """A skipped row: ``row`` is 1-based; ``unit`` says what it counts: ``"line"`` (JSONL, text)
+    or ``"row"`` (the element of a JSON list)."""
 
     row: int
     reason: str
+    unit: str = "row"
 
     def __str__(self) -> str:
-        return f"row {self.row}: {self.reason}"
+        return f"{self.unit} {self.row}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -189,11 +193,23 @@ class PromptSet:
     def __getitem__(self, index: int) -> Prompt:
         return self.prompts[index]
 
+    @property
+    def n_rows(self) -> int:
+        """Rows read: the prompts and the skipped rows."""
+        return len(self.prompts) + len(self.skipped)
+
+    def skipped_note(self, max_reasons: int = 3) -> str:
+        """``"skipped 1 of 2 rows: line 1: …"`` with the first reasons, or ``""`` when no row was
+        skipped: the line every command and the app show beside what they did with the rest."""
+        if not self.skipped:
+            return ""
+        return f"skipped {len(self.skipped)} of {self.n_rows} rows: " + _describe_errors(self.skipped, max_reasons)
+
     def summary(self, max_reasons: int = 3) -> str:
-        """One line for logs and reports."""
+        """One line for logs and reports (with `skipped_note` when rows were skipped)."""
         text = f"{len(self.prompts)} prompts from {self.source} ({self.format}, sha256 {self.sha256[:12]})"
         if self.skipped:
-            text += f"; {len(self.skipped)} rows skipped: " + _describe_errors(self.skipped, max_reasons)
+            text += "; " + self.skipped_note(max_reasons)
         return text
 
 
@@ -356,11 +372,11 @@ def _jsonl_rows(text: str) -> tuple[list[tuple[int, Any]], list[RowError]]:
             rows.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
             truncated = " (truncated line?)" if _looks_truncated(exc, line) else ""
-            errors.append(RowError(number, f"invalid JSON at column {exc.colno}: {exc.msg}{truncated}"))
+            errors.append(RowError(number, f"invalid JSON at column {exc.colno}: {exc.msg}{truncated}", "line"))
         except RecursionError:
-            errors.append(RowError(number, "invalid JSON: nested too deeply"))
+            errors.append(RowError(number, "invalid JSON: nested too deeply", "line"))
         except ValueError as exc:
-            errors.append(RowError(number, f"invalid JSON: {one_line(str(exc), 120)}"))
+            errors.append(RowError(number, f"invalid JSON: {one_line(str(exc), 120)}", "line"))
     return rows, errors
 
 
@@ -567,7 +583,7 @@ def load_prompts(
         try:
             prompts.append(_to_prompt(number, row, max_chars_per_prompt, seen_ids))
         except _RowProblem as exc:
-            errors.append(RowError(number, one_line(str(exc))))
+            errors.append(RowError(number, one_line(str(exc)), "row" if fmt == "json" else "line"))
     errors.sort(key=lambda e: e.row)
     if not prompts:
         detail = f": {len(errors)} rows skipped ({_describe_errors(errors, 3)})" if errors else ""

@@ -247,7 +247,23 @@ def test_summary_mentions_skips(tmp_path):
     ps = load_prompts(write(tmp_path, "s.jsonl", jsonl(["ok", 5])))
     line = ps.summary()
     assert_one_line(line)
-    assert "1 prompts" in line and "row 2" in line
+    assert "1 prompts" in line and "skipped 1 of 2 rows: line 2: " in line
+
+
+def test_skipped_rows_are_counted_with_their_first_reasons(tmp_path):
+    ps = load_prompts(write(tmp_path, "c.jsonl", '{"turns": 42}\n{"prompt": "what is a cat?"}\n'))
+    assert [p.user_text for p in ps] == ["what is a cat?"] and ps.n_rows == 2
+    assert ps.skipped_note() == "skipped 1 of 2 rows: line 1: 'turns' is a number, expected a list of strings"
+    assert str(ps.skipped[0]) == "line 1: 'turns' is a number, expected a list of strings"
+    many = load_prompts(write(tmp_path, "m.jsonl", jsonl([1, "ok", 2, {"x": 1}, [3], "fine", None])))
+    note = many.skipped_note(max_reasons=2)
+    assert_one_line(note)
+    assert note.startswith("skipped 5 of 7 rows: line 1: ") and "; line 3: " in note and note.endswith("… 3 more")
+    assert "line 4" not in note
+    listed = load_prompts(write(tmp_path, "l.json", json.dumps(["ok", 7])))
+    assert listed.skipped_note().startswith("skipped 1 of 2 rows: row 2: ")  # an element of a JSON list
+    clean = load_prompts(write(tmp_path, "g.jsonl", jsonl(["a", "b"])))
+    assert clean.skipped_note() == "" and clean.summary() == f"2 prompts from {clean.source} (jsonl, sha256 {clean.sha256[:12]})"
 
 
 # ----------------------------------------------------------------------------- malformed input
@@ -322,7 +338,7 @@ def test_binary_nul_and_invalid_utf8(tmp_path):
 def test_no_usable_row_lists_reasons(tmp_path):
     message = data_error(write(tmp_path, "n.jsonl", jsonl([1, 2, {"x": 1}])))
     assert "no usable prompt" in message and "3 rows skipped" in message
-    assert "row 1:" in message and "row 3: no prompt found" in message
+    assert "line 1:" in message and "line 3: no prompt found" in message
 
 
 def test_enormous_line(tmp_path):
@@ -516,3 +532,60 @@ def test_prompt_from_text_and_helpers():
     assert (p.id, p.category, p.has_answer, p.num_chars) == ("a", "chat", False, 2)
     with pytest.raises(DataError):
         Prompt.from_text("   ")
+
+
+# ----------------------------------------------------------------------------- commands report skipped rows
+
+BAD_THEN_GOOD = '{"turns": 42}\n{"prompt": "what is the capital of france?"}\n'
+SKIPPED = "skipped 1 of 2 rows: line 1: 'turns' is a number, expected a list of strings"
+
+
+@pytest.fixture(scope="module")
+def tiny_lab(tmp_path_factory):
+    """A tiny saved base model with random Hydra heads, and calibration files with a bad row."""
+    from conftest import random_heads, save_tiny_base
+    from entmtp.checkpoints import save_heads
+
+    d = tmp_path_factory.mktemp("lab")
+    model, _ = save_tiny_base(d / "base")
+    save_heads(random_heads(model, "hydra", num_heads=3, seed=2), d / "hydra")
+    (d / "calib.jsonl").write_text(BAD_THEN_GOOD)
+    good = ["hello world", "the cat sat on the mat", "one two three four", "paris is the capital", "how are you today?"]
+    (d / "more.jsonl").write_text('{"turns": 42}\n' + jsonl([{"prompt": t, "answer": "yes it is"} for t in good]))
+    return d
+
+
+def run_cli(capsys, *argv):
+    from entmtp import cli
+
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_score_says_which_row_it_skipped_and_scores_the_good_one(tiny_lab, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, "score", "--base", tiny_lab / "base", "--heads", tiny_lab / "hydra", "--tree", "chain_2",
+                             "--data", tiny_lab / "calib.jsonl", "--max-new-tokens", 6, "--union-nodes", 8,
+                             "--latency-repeats", 1, "--no-progress", "--json")
+    assert code == 0, err
+    assert SKIPPED in err
+    assert json.loads(out)["n_prompts"] == 1  # stdout stays JSON
+
+
+def test_search_says_which_row_it_skipped(tiny_lab, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_cli(capsys, "search", "--base", tiny_lab / "base", "--heads", tiny_lab / "hydra", "--data",
+                           tiny_lab / "more.jsonl", "--budgets", "2", "--out", tmp_path / "out", "--max-new-tokens", 4,
+                           "--union-nodes", 8, "--latency-repeats", 1, "--no-progress", "--eval-prompts", 1)
+    assert code == 0, err
+    assert "skipped 1 of 6 rows: line 1: 'turns' is a number" in err
+
+
+def test_train_says_which_row_it_skipped(tiny_lab, tmp_path, capsys):
+    """The data line comes before the model loads: a directory without a model stops train there."""
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_cli(capsys, "train", "--data", tiny_lab / "more.jsonl", "--model", tmp_path / "empty", "--cpu",
+                             "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert "skipped 1 of 6 rows: line 1: 'turns' is a number" in out + err
+    assert code == 2 and "Traceback" not in err
