@@ -189,15 +189,28 @@ def test_changed_source_triggers_rebuild(fake):
     assert fake.n_calls == 3
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
-def test_read_only_cache(fake):
+def test_read_only_cache(fake, monkeypatch):
+    """A read-only cache with a valid copy is used as it is: nothing converted, no lock taken.
+    Root writes through directory modes (CI runs as root), so the cache also answers root as it
+    answers other users: `os.access` says not writable and creating the lock file fails."""
+    import filelock
+
     p = models.ensure_default_model(progress=None)
     cache = models.cache_dir()
+    real_access = os.access
+    monkeypatch.setattr(models.os, "access",
+                        lambda path, mode: not (mode & os.W_OK and Path(path) == cache) and real_access(path, mode))
+
+    def no_lock(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(filelock, "FileLock", no_lock)
     os.chmod(cache, 0o555)
     try:
         assert models.ensure_default_model(progress=None) == p
     finally:
         os.chmod(cache, 0o755)
+    assert fake.n_calls == 1
 
 
 def test_read_only_cache_without_copy(fake, monkeypatch):

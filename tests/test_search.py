@@ -739,7 +739,7 @@ def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path, capsys, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_benchmark_search_200_prompts_embedded_model_under_15_minutes(tmp_path, monkeypatch):
+def test_benchmark_search_200_prompts_embedded_model_under_15_minutes():
     """Benchmark (slow, not in the default run): search budgets up to 64 on 200 calibration
     prompts of the embedded SmolLM2-135M with its Hydra heads (random heads when none are
     trained yet -- the trace statistics cost does not depend on acceptance), on this CPU."""
@@ -748,7 +748,6 @@ def test_benchmark_search_200_prompts_embedded_model_under_15_minutes(tmp_path, 
     from entmtp.data import load_prompts
     from entmtp.models import DEFAULT_HEADS_DIR, HEAD_KINDS, load_engine
 
-    monkeypatch.setenv("ENTMTP_CACHE_LATENCY_UNUSED", "1")
     torch.set_num_threads(1)  # the 2 cores are shared: one thread is faster here
     trained = (DEFAULT_HEADS_DIR / HEAD_KINDS["hydra"]).is_dir()
     eng = load_engine("default", {"hydra": "hydra"} if trained else {}, progress=None)
