@@ -1,4 +1,9 @@
-"""The engine is lossless: float32 greedy speculative output equals `model.generate`."""
+"""The engine is lossless: float32 greedy speculative output equals `model.generate`.
+
+The models attend sharply and by position (`peaked.peaked_model`): a random tiny model attends
+almost uniformly, and with wrong tree position ids it still emits the right tokens. The oracle
+runs below fail with wrong position ids, a causal instead of a tree mask, or the first rows of
+the tree kept in the cache instead of the accepted ones (`python scripts/mutants.py`)."""
 
 import functools
 import random
@@ -11,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAMILIES, random_heads, tiny_model
+from peaked import attention_entropy, peaked_model
 from entmtp.acceptance import Sampling, TypicalRule
 from entmtp.decoding import ContextError, DecodeConfig, Engine
 from entmtp.heads import Draft
@@ -22,7 +28,7 @@ VOCAB = 24  # small, so that random heads' drafts are often accepted
 
 @functools.lru_cache(maxsize=None)
 def engine_for(family: str, attn: str = "sdpa") -> Engine:
-    m = tiny_model(family, vocab=VOCAB, seed=3, attn=attn)
+    m = peaked_model(family, vocab=VOCAB, seed=3, attn=attn)
     heads = {
         "medusa": random_heads(m, "medusa", num_heads=6, seed=1),
         "hydra": random_heads(m, "hydra", num_heads=6, seed=2),
@@ -32,6 +38,14 @@ def engine_for(family: str, attn: str = "sdpa") -> Engine:
     with torch.no_grad():
         heads["hydra-dv"].draft_vocab.copy_(torch.arange(0, VOCAB, 2))
     return Engine(m, None, heads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_models_attend_sharply(family):
+    """What makes the exactness tests below see position, mask and cache bugs: attention rows far
+    from uniform (a random tiny model's are nearly uniform: 2.7 nats of at most 3.0 over 20 keys)."""
+    ids = list(range(2, 22))
+    assert attention_entropy(engine_for(family).model, ids) < 1.2 < 2.5 < attention_entropy(tiny_model(family, vocab=VOCAB, seed=3), ids)
 
 
 def hf_greedy(model, ids, n, eos=None):

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from conftest import random_heads, tiny_model
+from peaked import peaked_model
 from entmtp import attention, kernels
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.kvcache import GrowingLayer, decoding_cache
@@ -91,7 +92,7 @@ def test_model_forward_with_the_decoding_cache_is_the_stock_one(family):
 def test_engine_decodes_the_same_with_either_cache(monkeypatch):
     import entmtp.decoding as dec
 
-    model = tiny_model("llama", vocab=96, seed=3)
+    model = peaked_model("llama", vocab=96, seed=3)  # sharp attention: a wrong cached row changes tokens
     eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=4)})
     tree = resolve_tree("mc_sim_7b_63").truncated(8)
     cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
