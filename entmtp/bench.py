@@ -103,7 +103,7 @@ def _sync(engine):
 def recorded_trees(engine, methods: Sequence[str]) -> dict:
     """Per heads used: the tree and bank files their checkpoint records for this dtype and hardware
     class (what a method decodes with unless --tree / --bank override it)."""
-    used = sorted({method_heads(m, engine.runners) for m in methods} - {None})
+    used = sorted({method_heads(m, engine=engine) for m in methods} - {None})
     return {h: {"tree": recorded_default(engine, h, "default_tree"), "bank": recorded_default(engine, h, "default_bank")}
             for h in used}
 
@@ -371,7 +371,7 @@ def load_bench_prompts(cfg: BenchConfig) -> tuple[PromptSet, list]:
 def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: str) -> dict:
     """What ran where: model, dtype, machine, kernels, lookup and trees per method."""
     ours = [m for m in cfg.methods if METHODS[m].ours]
-    looks = {m: method_lookup(m, engine, method_heads(m, engine.runners), lookup=cfg.lookup, min_ngram=cfg.lookup_min_ngram)
+    looks = {m: method_lookup(m, engine, method_heads(m, engine=engine), lookup=cfg.lookup, min_ngram=cfg.lookup_min_ngram)
              for m in ours}
     return {"command": command, "date": time.strftime("%Y-%m-%d"), "model": describe_model(engine.model), "dtype": str(engine.dtype).removeprefix("torch."),
             "device": str(engine.device), "prompts": len(prompts), "prompt_file_sha256": ps.sha256,

@@ -2,8 +2,8 @@
 and the runner that decodes with it. The CLI, the bench, the topology lab and the app all read
 this registry, so a method means the same thing in every one of them.
 
-A method's heads are a kind ("medusa", "hydra", "hydra++"), `FAMILY` (the best Hydra-family
-heads loaded: Hydra++ first) or None (no drafting). With user-supplied heads (`--heads PATH`)
+A method's heads are a kind ("medusa", "hydra", "hydra++"), `FAMILY` (the Hydra-family heads
+predicted fastest on this machine: `fastest_family`) or None (no drafting). With user-supplied heads (`--heads PATH`)
 the engine holds one head set named "custom" and every method with heads decodes with it.
 """
 
@@ -100,23 +100,51 @@ def best_hydra(available: Iterable[str]) -> Optional[str]:
     return next((h for h in HYDRA_FAMILY if h in have), None)
 
 
-def method_heads(method: str, runners: Optional[Iterable[str]] = None) -> Optional[str]:
+def method_heads(method: str, runners: Optional[Iterable[str]] = None, engine: Optional[Engine] = None) -> Optional[str]:
     """Name of the heads `method` decodes with among the engine's loaded `runners` (None: no
-    heads). Without `runners`: the embedded heads it would load (Hydra++ for the family)."""
+    heads). Without `runners`: the embedded heads it would load. FAMILY takes, with `engine`, the
+    loaded Hydra-family heads this machine's tuning predicts fastest (`fastest_family`), else
+    the first of HYDRA_FAMILY loaded."""
     kind = get_method(method).heads
     if kind is None:
         return None
+    if runners is None and engine is not None:
+        runners = engine.runners
     have = set(runners) if runners is not None else set()
     if CUSTOM in have:
         return CUSTOM
     if kind == FAMILY:
-        return best_hydra(have) or HYDRA_FAMILY[0]
+        return (fastest_family(engine) if engine is not None else None) or best_hydra(have) or HYDRA_FAMILY[0]
     return kind
 
 
+def fastest_family(engine: Engine) -> Optional[str]:
+    """Among the Hydra-family heads loaded on `engine`, the one whose tuned trees predict the most
+    tokens/s here (draft cost included: Hydra++'s extra layer pays on some machines and not on
+    others). None when fewer than two are loaded or nothing was tuned (ENTMTP_TUNE=0)."""
+    loaded = [h for h in HYDRA_FAMILY if h in engine.runners]
+    if len(loaded) < 2:
+        return None
+    predicted = {}
+    for h in loaded:
+        t = tuned_trees(engine, h, progress=_stderr)
+        if t is None:
+            return None
+        predicted[h] = max(t.predicted_speedup, t.bank_speedup or 0.0)
+    return max(loaded, key=lambda h: predicted[h])
+
+
 def heads_to_load(methods: Iterable[str]) -> list[str]:
-    """The embedded head sets these methods need."""
-    return sorted({h for h in (method_heads(m) for m in methods) if h is not None})
+    """The embedded head sets these methods need (every Hydra-family kind for a FAMILY method, so
+    that the fastest here can be chosen)."""
+    out = set()
+    for m in methods:
+        kind = get_method(m).heads
+        if kind == FAMILY:
+            out.update(HYDRA_FAMILY)
+        elif kind is not None:
+            out.add(kind)
+    return sorted(out)
 
 
 def method_lookup(method: str, engine=None, heads: Optional[str] = None, *, lookup: Optional[int] = None,
@@ -295,7 +323,7 @@ def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optiona
     m = get_method(method)
     if not m.ours:
         return Runner(m, engine, max_new_tokens, pld_tokens=pld_tokens)
-    heads = method_heads(method, engine.runners)
+    heads = method_heads(method, engine=engine)
     if heads is not None and heads not in engine.runners:
         raise MethodError(f"{method} needs {heads} heads, which are not loaded (have: {', '.join(engine.runners) or 'none'})")
     s = build_scheduler(engine, heads, method, tree=tree, scheduler=scheduler, bank=bank, progress=progress) if heads else None
@@ -305,6 +333,6 @@ def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optiona
 
 
 __all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS",
-           "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "heads_to_load", "method_lookup",
+           "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "fastest_family", "heads_to_load", "method_lookup",
            "default_tree", "build_scheduler", "ModelOptions", "load_engine_for", "Output", "ForwardCounter", "hf_generate",
            "Runner", "make_runner"]

@@ -27,7 +27,9 @@ def test_heads_follow_what_is_loaded():
     assert method_heads("baseline", ["hydra"]) is None and method_heads("hf") is None
     # user-supplied heads serve every method with heads, none without
     assert method_heads("medusa", [CUSTOM]) == CUSTOM and method_heads("lookup", [CUSTOM]) is None
-    assert heads_to_load(["hf", "baseline", "medusa", "entmtp", "dynamic"]) == ["hydra++", "medusa"]
+    # a family method loads every Hydra-family kind, so that the fastest here can be chosen
+    assert heads_to_load(["hf", "baseline", "medusa", "entmtp", "dynamic"]) == ["hydra", "hydra++", "medusa"]
+    assert heads_to_load(["hydra", "medusa"]) == ["hydra", "medusa"]
 
 
 def test_unknown_methods_are_one_line_errors():
@@ -58,3 +60,23 @@ def test_runners_decode_what_the_registry_says():
     with pytest.raises(MethodError, match="medusa needs medusa heads"):
         make_runner(eng, "medusa", 8)
     assert torch.equal(torch.tensor(entmtp(ids).tokens), torch.tensor(base.tokens))
+
+
+def test_family_heads_are_the_fastest_tuned_here(monkeypatch):
+    """With an engine, entmtp's Hydra-family heads are the ones this machine's tuning predicts
+    fastest (Hydra's cheaper draft can beat Hydra++'s higher tau); untuned, the registry order."""
+    from types import SimpleNamespace
+
+    from entmtp import methods
+
+    engine = SimpleNamespace(runners={"hydra": object(), "hydra++": object(), "medusa": object()})
+    predicted = {"hydra": SimpleNamespace(predicted_speedup=1.9, bank_speedup=None),
+                 "hydra++": SimpleNamespace(predicted_speedup=1.6, bank_speedup=1.7)}
+    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: predicted[h])
+    assert methods.fastest_family(engine) == "hydra"
+    assert method_heads("entmtp", engine=engine) == "hydra" and method_heads("hydra++", engine=engine) == "hydra++"
+    predicted["hydra++"] = SimpleNamespace(predicted_speedup=1.6, bank_speedup=2.1)  # its bank wins
+    assert method_heads("entmtp", engine=engine) == "hydra++"
+    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: None)  # ENTMTP_TUNE=0
+    assert methods.fastest_family(engine) is None and method_heads("entmtp", engine=engine) == "hydra++"
+    assert methods.fastest_family(SimpleNamespace(runners={"hydra": object()})) is None
