@@ -1,0 +1,183 @@
+"""Known bugs of a speculative decoder, each put into a temporary copy of the repository: the
+tests that claim to guard against it must fail there.
+
+    .venv/bin/python scripts/mutants.py               # every mutant; exit 1 when one is missed
+    .venv/bin/python scripts/mutants.py --list
+    .venv/bin/python scripts/mutants.py position_ids causal_mask
+
+Each mutant is a textual patch: a file, text that must occur in it exactly once, and its
+replacement. When a refactor moves or rewrites the text, the patch stops with an error instead
+of reporting a bug that was never put in (tests/test_mutants.py checks that every patch still
+applies to the current sources). The copy is taken from the working tree (tracked and untracked,
+not ignored files); its tests run with the copy first on PYTHONPATH and as the working directory,
+with this script's Python (run it with the virtual environment's) and a cache of their own (the
+copy builds entmtp's kernels once there: its sources sit at another path, and torch's builder
+would otherwise rebuild the shared ones under running processes). The unpatched copy must pass
+the same tests first, so that a failure means the mutant was caught, not a broken environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACTNESS = ("tests/test_decoding.py::test_oracle_drafts_accept_long_paths_and_stay_exact",
+             "tests/test_decoding.py::test_eager_attention_is_exact",
+             "tests/test_decoding.py::test_concurrent_generations_do_not_mix")
+SAMPLING = ("tests/test_acceptance.py::test_speculative_sampling_preserves_the_joint_of_three_tokens",)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in `path`
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail with the mutant in
+
+
+MUTANTS = (
+    Mutant("position_ids", "tree nodes at position past + index instead of past + depth",
+           "entmtp/decoding.py", "position_ids=(buf.depths + self.past)[None]",
+           "position_ids=(torch.arange(len(tokens), device=dev) + self.past)[None]", EXACTNESS),
+    Mutant("crop_not_gather", "the cache keeps the first rows of the tree, not the accepted path's",
+           "entmtp/verify.py", "    if path == list(range(a)):\n", "    if True:\n",
+           EXACTNESS + ("tests/test_kvcache.py::test_keep_cache_entries_on_growing_layers_matches_dynamic_layers",)),
+    Mutant("causal_mask", "a causal mask over the tree (siblings visible) instead of the tree mask",
+           "entmtp/verify.py", "    mask[0, 0, :, past:] = bias\n",
+           "    mask[0, 0, :, past:] = torch.triu(torch.full_like(bias, torch.finfo(bias.dtype).min), 1)\n", EXACTNESS),
+    Mutant("biased_deep_sampling", "speculative sampling at half the temperature at drafted nodes below the root",
+           "entmtp/acceptance.py", "return _walk(tree, tokens, lambda node: self._sample(logits[node], rng))",
+           "return _walk(tree, tokens, lambda node: self._sample(logits[node] * (1.0 if node == 0 else 2.0), rng))",
+           SAMPLING),
+)
+
+
+class PatchError(RuntimeError):
+    """A mutant's target text is not in its file exactly once."""
+
+
+def patched(m: Mutant, text: str) -> str:
+    """`text` (the contents of m.path) with the mutant in; PatchError when the target is not there once."""
+    n = text.count(m.old)
+    if n != 1:
+        raise PatchError(f"mutant {m.name}: its target text occurs {n} times in {m.path}, not once "
+                         f"(the source changed: update the mutant in scripts/mutants.py): {m.old.strip()!r}")
+    return text.replace(m.old, m.new)
+
+
+def apply(m: Mutant, root: Path) -> str:
+    """Put the mutant into the copy at `root`; returns the file's original text."""
+    f = root / m.path
+    text = f.read_text()
+    f.write_text(patched(m, text))
+    return text
+
+
+def working_tree_files(root: Path) -> list[str]:
+    """Tracked and untracked-but-not-ignored files, relative to `root`."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         check=True, capture_output=True).stdout
+    return [p for p in out.decode().split("\0") if p]
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    for rel in working_tree_files(src):
+        s = src / rel
+        if s.is_file():  # deleted but still tracked: skip
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(s, dst / rel)
+
+
+def test_env(root: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", TOKENIZERS_PARALLELISM="false",
+               ENTMTP_CACHE=str(root.parent / "cache"))
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports_copy(root: Path, python: str) -> None:
+    """The copy's entmtp is the one its tests import (not an installed one)."""
+    out = subprocess.run([python, "-c", "import entmtp; print(entmtp.__file__)"], cwd=root, env=test_env(root),
+                         capture_output=True, text=True)
+    where = Path(out.stdout.strip() or "?").resolve()
+    if out.returncode or root.resolve() not in where.parents:
+        raise SystemExit(f"error: the copy's tests would import entmtp from {where}, not from {root} ({out.stderr.strip()[-200:]})")
+
+
+def run_tests(root: Path, tests: tuple[str, ...], python: str, timeout: float) -> tuple[int, str]:
+    """(pytest's exit code, the first failing test or the output's tail)."""
+    cmd = [python, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    try:
+        out = subprocess.run(cmd, cwd=root, env=test_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout:.0f} s"
+    text = out.stdout + out.stderr
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in text.splitlines() if line.startswith("FAILED ")]
+    return out.returncode, failed[0] if failed else " | ".join(text.strip().splitlines()[-3:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--python", default=sys.executable, help="Python that runs the tests (default: this one)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for one mutant's tests")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:22s} {m.path}: {m.what}")
+        return 0
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        print(f"error: unknown mutant {', '.join(unknown)} (have: {', '.join(by_name)})", file=sys.stderr)
+        return 2
+    chosen = [by_name[n] for n in args.names] or list(MUTANTS)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: stop the tests, remove the copy
+    with tempfile.TemporaryDirectory(prefix="entmtp-mutants-") as tmp:
+        root = Path(tmp) / "repo"
+        copy_tree(ROOT, root)
+        for m in chosen:  # every patch applies before anything runs
+            patched(m, (root / m.path).read_text())
+        check_imports_copy(root, args.python)
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        t0 = time.perf_counter()
+        code, detail = run_tests(root, tests, args.python, args.timeout)
+        if code != 0:
+            print(f"error: the unpatched copy fails its tests ({detail}); fix that first", file=sys.stderr)
+            return 2
+        print(f"{'unpatched':22s} passes   {len(tests)} tests ({time.perf_counter() - t0:.0f} s)", flush=True)
+        missed = errors = 0
+        for m in chosen:
+            original = apply(m, root)
+            t0 = time.perf_counter()
+            try:
+                code, detail = run_tests(root, m.tests, args.python, args.timeout)
+            finally:
+                (root / m.path).write_text(original)
+            took = f"{time.perf_counter() - t0:.0f} s"
+            if code == 1:
+                print(f"{m.name:22s} caught   by {detail} ({took})", flush=True)
+            elif code == 0:
+                missed += 1
+                print(f"{m.name:22s} MISSED   {m.what}: {len(m.tests)} tests pass ({took})", flush=True)
+            else:  # collection error, timeout, crash: not an honest catch
+                errors += 1
+                print(f"{m.name:22s} ERROR    pytest exit {code}: {detail} ({took})", flush=True)
+    return 1 if missed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
