@@ -112,7 +112,7 @@ def render_user_prompt(engine, text: str, raw: bool = False) -> list[int]:
 def cmd_generate(args) -> int:
     """generate an answer and print per-step statistics"""
     engine = load_engine_for(model_options(args), [args.method])
-    heads = method_heads(args.method, engine.runners)
+    heads = method_heads(args.method, engine=engine)
     sched = build_scheduler(engine, heads, args.method, tree=args.tree, scheduler=args.scheduler, bank=args.bank) if heads else None
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.top_p, args.top_k),
                        rule=args.rule, stop_strings=tuple(args.stop), seed=args.seed, trace="full" if args.json else "summary",
