@@ -446,8 +446,8 @@ def cmd_bench(args) -> int:
                             scheduler=args.scheduler, bank=args.bank, pld_tokens=args.pld_tokens, lookup=args.lookup,
                             lookup_min_ngram=args.lookup_min_ngram)
     ps, prompts = bench.load_bench_prompts(cfg)
-    for e in ps.skipped[:5]:
-        _say(f"skipped {e}")
+    if ps.skipped:
+        _say(ps.skipped_note())
     engine = load_engine_for(model_options(args), cfg.methods)
     command = _command("bench")
     _say(f"# {command}")
