@@ -32,20 +32,20 @@ from . import viz  # noqa: E402
 from .ui_chat import chat, clear_chat, replay, stop_chat  # noqa: E402,F401
 from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_TREE, HEAD_METHODS, HUB_FALLBACK,  # noqa: E402,F401
                         LAB_BUDGETS, LAB_DEFAULT_BUDGETS, LAB_MAX_NEW_TOKENS, LAB_MAX_PROMPTS, RACE_MAX_NEW_TOKENS,
-                        UPLOAD_MAX_BYTES, UPLOAD_TYPES, AppError, EngineCache, LoadedModel, _error_md, _new_state,
+                        UPLOAD_MAX_BYTES, UPLOAD_TYPES, AppError, EngineCache, LoadedModel, _error_md,
                         check_model_key, error_message, load_model, method_choices, method_scheduler, method_status,
-                        model_choices, model_info_md, scheduler_names, tree_choices, warm_up)
+                        model_choices, model_info_md, scheduler_names, session_state, tree_choices, warm_up)
 from .ui_lab import (LAB_HEADERS, _first_heads, _search_module, lab_check_upload, lab_heads_choices,  # noqa: E402
                      lab_score, lab_search, lab_select)
 from .ui_machine import machine_view  # noqa: E402
 from .ui_race import RACE_HEADERS, RACE_MAX_REPEATS, race  # noqa: E402
 
 
-def load_model_ui(model_key, method, state):
+def load_model_ui(model_key, method, request: gr.Request = None):
     """Load (or look up) a model; report what it can do; refresh the pickers (a method that
     this model cannot run is replaced by the best one it can). A model that fails to load is
     not kept: the picker returns to the last model that loaded."""
-    state = _new_state(state)
+    state = session_state(request)
     try:
         key = check_model_key(model_key)
         entry = CACHE.get(key)
@@ -53,14 +53,14 @@ def load_model_ui(model_key, method, state):
         msg = error_message(exc)
         back = state.get("model") or "default"
         return (_error_md(f"cannot load {str(model_key)[:80]}: {msg} (back to the last model that loaded)"),
-                gr.Dropdown(value=back), gr.Dropdown(), gr.Dropdown(), gr.Dropdown(), gr.Dropdown(), state)
+                gr.Dropdown(value=back), gr.Dropdown(), gr.Dropdown(), gr.Dropdown(), gr.Dropdown())
     state["model"] = key
     st = method_status(entry)
     if method not in st or st[method] is not None:
         method = next((m for m in (DEFAULT_METHOD, "hydra++", "hydra", "medusa", "baseline") if st[m] is None), "baseline")
     return (model_info_md(entry), gr.Dropdown(value=key), gr.Dropdown(choices=method_choices(entry), value=method),
             gr.Dropdown(choices=tree_choices(state["trees"], entry, method)), scheduler_for(method, entry),
-            gr.Dropdown(choices=lab_heads_choices(entry), value=_first_heads(entry)), state)
+            gr.Dropdown(choices=lab_heads_choices(entry), value=_first_heads(entry)))
 
 
 def scheduler_for(method: str, entry=None):
@@ -79,9 +79,9 @@ def scheduler_for(method: str, entry=None):
                        info="each step's tree picked by the draft's entropy" if name == "entropy" else None)
 
 
-def method_changed(method, model_key, state):
+def method_changed(method, model_key, request: gr.Request = None):
     """The scheduler and tree pickers follow the method: its scheduler, its heads' recommended tree."""
-    state = _new_state(state)
+    state = session_state(request)
     entry = CACHE.peek(state.get("model") or "default")
     return scheduler_for(method, entry), gr.Dropdown(choices=tree_choices(state["trees"], entry, method))
 
@@ -195,11 +195,9 @@ def _race_view(examples):
                                      elem_id="race_repeats")
             c["btn"] = gr.Button("Race", variant="primary", elem_id="race_btn")
     c["status"] = gr.HTML("", elem_id="race_status")
-    with gr.Row():
-        c["table"] = gr.Dataframe(headers=RACE_HEADERS, label="results", interactive=False, scale=3,
-                                  elem_id="race_table", wrap=True,
-                                  column_widths=["26%", "7%", "10%", "10%", "7%", "10%", "10%", "10%", "10%"])
-        c["plot"] = gr.Plot(value=viz.race_bar_figure([]), label="tokens/s", scale=2, elem_id="race_plot")
+    c["table"] = gr.Dataframe(headers=RACE_HEADERS, label="results", interactive=False, elem_id="race_table",
+                              wrap=True, column_widths=["28%", "7%", "9%", "10%", "6%", "10%", "10%", "10%", "10%"])
+    c["plot"] = gr.Plot(value=viz.race_bar_figure([]), label="tokens/s", elem_id="race_plot")
     c["cards"] = gr.HTML("", elem_id="race_cards")
     return c
 
@@ -281,7 +279,6 @@ def build_demo() -> gr.Blocks:
     examples = _examples()
     _, lab_why = _search_module()
     with gr.Blocks(title="entmtp · tree speculative decoding") as demo:
-        state = gr.State(None)
         gr.Markdown(INTRO, elem_id="title")
         with gr.Row(elem_id="model_row"):
             with gr.Column(scale=2, min_width=280):
@@ -303,31 +300,31 @@ def build_demo() -> gr.Blocks:
                 mc = _machine_view()
 
         # ---------------- events
-        pickers = [model_md, model_dd, ch["method"], ch["tree"], ch["sched"], lb["heads"], state]
-        load_btn.click(load_model_ui, [model_dd, ch["method"], state], pickers, api_name="load_model",
+        pickers = [model_md, model_dd, ch["method"], ch["tree"], ch["sched"], lb["heads"]]
+        load_btn.click(load_model_ui, [model_dd, ch["method"]], pickers, api_name="load_model",
                        concurrency_id="load", concurrency_limit=2)
-        demo.load(load_model_ui, [model_dd, ch["method"], state], pickers, api_visibility="private",
+        demo.load(load_model_ui, [model_dd, ch["method"]], pickers, api_visibility="private",
                   concurrency_id="load").then(machine_view, [model_dd], [mc["info"], mc["plot"]],
                                               api_visibility="private")
-        ch["method"].input(method_changed, [ch["method"], model_dd, state], [ch["sched"], ch["tree"]],
+        ch["method"].input(method_changed, [ch["method"], model_dd], [ch["sched"], ch["tree"]],
                            api_visibility="private", concurrency_limit=None)
 
         chat_in = [ch["msg"], ch["chatbot"], model_dd, ch["method"], ch["tree"], ch["sched"], ch["temperature"],
-                   ch["top_p"], ch["max_new"], ch["color_by"], state]
+                   ch["top_p"], ch["max_new"], ch["color_by"]]
         chat_out = [ch["chatbot"], ch["msg"], ch["tree_plot"], ch["strip"], ch["step_plot"], ch["stats"],
-                    ch["notices"], ch["slider"], state]
+                    ch["notices"], ch["slider"]]
         ch["send"].click(chat, chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
         ch["msg"].submit(chat, chat_in, chat_out, api_visibility="private", concurrency_id="gen")
         # Stop and Clear reach the running reply itself (ui_chat.RUNS): it ends at its next step
         ch["stop"].click(stop_chat, None, None, api_visibility="private", concurrency_limit=None)
-        ch["clear"].click(clear_chat, [state], [ch["chatbot"], ch["tree_plot"], ch["strip"], ch["step_plot"],
-                                                ch["stats"], ch["notices"], ch["slider"], state],
+        ch["clear"].click(clear_chat, None, [ch["chatbot"], ch["tree_plot"], ch["strip"], ch["step_plot"],
+                                                ch["stats"], ch["notices"], ch["slider"]],
                           api_name="clear", concurrency_limit=None)
         replay_out = [ch["tree_plot"], ch["strip"], ch["step_plot"]]
         # change: dragging, and typing a number in the slider's box, both redraw
-        ch["slider"].change(replay, [ch["slider"], ch["color_by"], state], replay_out, api_name="replay",
+        ch["slider"].change(replay, [ch["slider"], ch["color_by"]], replay_out, api_name="replay",
                             concurrency_limit=None)
-        ch["color_by"].input(replay, [ch["slider"], ch["color_by"], state], replay_out, api_visibility="private",
+        ch["color_by"].input(replay, [ch["slider"], ch["color_by"]], replay_out, api_visibility="private",
                              concurrency_limit=None)
 
         rc["btn"].click(race, [rc["prompt"], model_dd, rc["new"], rc["repeats"]],
@@ -337,14 +334,14 @@ def build_demo() -> gr.Blocks:
         lb["calib"].upload(lab_check_upload, [lb["calib"]], [lb["status"]], api_visibility="private",
                            concurrency_limit=None)
         lb["btn"].click(lab_search, [lb["calib"], lb["use_example"], model_dd, lb["heads"], lb["budgets"], lb["prompts"],
-                                     lb["new"], lb["race"], state],
+                                     lb["new"], lb["race"]],
                         [lb["status"], lb["frontier"], lb["heldout"], lb["table"], lb["cand"], lb["cand_plot"],
-                         lb["file"], ch["tree"], state], api_name="lab_search", concurrency_id="lab", concurrency_limit=1)
-        lb["cand"].input(lab_select, [lb["cand"], state], [lb["cand_plot"], lb["file"]], api_name="lab_select",
+                         lb["file"], ch["tree"]], api_name="lab_search", concurrency_id="lab", concurrency_limit=1)
+        lb["cand"].input(lab_select, [lb["cand"]], [lb["cand_plot"], lb["file"]], api_name="lab_select",
                          concurrency_limit=None)
         lb["score_btn"].click(lab_score, [lb["tree_up"], lb["calib"], lb["use_example"], model_dd, lb["heads"],
-                                          lb["prompts"], lb["new"], state],
-                              [lb["score_md"], lb["score_plot"], ch["tree"], state], api_name="lab_score",
+                                          lb["prompts"], lb["new"]],
+                              [lb["score_md"], lb["score_plot"], ch["tree"]], api_name="lab_score",
                               concurrency_id="lab")
         mc["btn"].click(machine_view, [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
     return demo

@@ -17,7 +17,7 @@ import gradio as gr
 
 from . import viz
 from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, MAX_MESSAGE_CHARS, STREAM_EVERY_S, AppError, _error_md,
-                        _new_state, _notice_md, build_decoding, check_model_key, error_message, registry)
+                        _notice_md, build_decoding, check_model_key, error_message, registry, session_state)
 
 EMPTY_TREE = "the draft tree of each step appears here"
 STOP_WAIT_S = 10.0  # how long Stop / Clear wait for the reply to reach its next step
@@ -157,14 +157,14 @@ def _tree_fig(steps: list, k: int, color_by: str, tokenizer=None):
 
 
 def chat(message, history, model_key, method, tree_name, sched_name, temperature, top_p, max_new_tokens,
-         color_by, state, request: gr.Request = None):
+         color_by, request: gr.Request = None):
     """Stream one reply. Outputs: chatbot, textbox, tree plot, token strip, step chart, stats,
-    notices, replay slider, session state."""
+    notices, replay slider (the session's state keeps the steps for replay)."""
     from .acceptance import Sampling
     from .data import Prompt, render_prompt
     from .decoding import DecodeConfig
 
-    state = _new_state(state)
+    state = session_state(request)
     history = list(history or [])
     skip = gr.skip()
     notes: list[str] = []
@@ -190,7 +190,7 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
     except Exception as exc:  # noqa: BLE001
         msg = error_message(exc)
         gr.Warning(msg)
-        yield (skip, skip, skip, skip, skip, skip, _error_md(msg) + _notice_md(notes), skip, state)
+        yield (skip, skip, skip, skip, skip, skip, _error_md(msg) + _notice_md(notes), skip)
         return
 
     session = _session(request)
@@ -203,7 +203,7 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
     steps: list = []
     tok = engine.tokenizer
     try:
-        yield (history, "", skip, skip, skip, _stats_md(gen.result, 0.0, label, True), _notice_md(notes), skip, state)
+        yield (history, "", skip, skip, skip, _stats_md(gen.result, 0.0, label, True), _notice_md(notes), skip)
         for step in gen:
             if step.token_texts is None and tok is not None:  # emit-only steps carry no full trace
                 step.token_texts = tok.batch_decode([[t] for t in step.tokens])
@@ -219,7 +219,7 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
             state["steps"] = steps
             yield (history, skip, _tree_fig(steps, display_index(steps), color_by, tok), viz.token_strip_html(steps),
                    viz.step_chart_figure(steps), _stats_md(gen.result, now - t0, label, True),
-                   _notice_md(notes + gen.notices), skip, state)
+                   _notice_md(notes + gen.notices), skip)
         if run.why == "cleared":
             return  # Clear has emptied the page: no final update
         wall = time.perf_counter() - t0
@@ -231,12 +231,12 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
         shown = display_index(steps)
         yield (history, "", _tree_fig(steps, shown, color_by, tok), viz.token_strip_html(steps, highlight=shown),
                viz.step_chart_figure(steps, highlight=shown), _stats_md(res, wall, label, False, stopped),
-               _notice_md(notes + res.notices), _slider(len(steps), shown), state)
+               _notice_md(notes + res.notices), _slider(len(steps), shown))
     except Exception as exc:  # noqa: BLE001
         msg = error_message(exc)
         gr.Warning(msg)
         state["steps"] = steps
-        yield (history, skip, skip, skip, skip, skip, _error_md(msg) + _notice_md(notes), _slider(len(steps)), state)
+        yield (history, skip, skip, skip, skip, skip, _error_md(msg) + _notice_md(notes), _slider(len(steps)))
     finally:
         RUNS.end(session, run)
 
@@ -247,9 +247,9 @@ def stop_chat(request: gr.Request = None) -> None:
     RUNS.signal(_session(request), "stopped")
 
 
-def replay(step_index, color_by, state):
+def replay(step_index, color_by, request: gr.Request = None):
     """Redraw a finished generation at one step: tree, token strip (step outlined), step chart."""
-    steps = (state or {}).get("steps") or []
+    steps = session_state(request).get("steps") or []
     try:
         if not steps:
             return viz.empty_figure("no generation to replay yet: send a message first"), "", viz.step_chart_figure([])
@@ -262,9 +262,8 @@ def replay(step_index, color_by, state):
         return gr.skip(), _error_md(msg), gr.skip()
 
 
-def clear_chat(state, request: gr.Request = None):
+def clear_chat(request: gr.Request = None):
     """Cancel this session's running reply (it ends without a further update) and empty the chat."""
     RUNS.signal(_session(request), "cleared")
-    state = _new_state(state)
-    state["steps"] = []
-    return ([], viz.empty_figure(EMPTY_TREE), "", viz.step_chart_figure([]), "", "", _slider(0), state)
+    session_state(request)["steps"] = []
+    return ([], viz.empty_figure(EMPTY_TREE), "", viz.step_chart_figure([]), "", "", _slider(0))

@@ -308,19 +308,15 @@ def machine_profile_of(entry: "LoadedModel") -> dict:
 
 
 def _embedded_notice() -> Optional[str]:
-    """The embedded model's own notice (e.g. its GGUF checksum could not be verified), if any."""
-    for modname in ("space", "models"):
-        try:
-            mod = __import__(f"entmtp.{modname}", fromlist=["x"])
-        except ImportError:
-            continue
-        fn = getattr(mod, "embedded_model_notice", None) or getattr(mod, "embedded_notice", None)
-        if callable(fn):
-            try:
-                return fn() or None
-            except Exception as exc:  # noqa: BLE001 - a notice must never break loading
-                log.warning("embedded model notice: %s", exc)
-    return None
+    """The embedded model's own notice (on a Space: the checksum-verified GGUF could not be
+    obtained, so the original weights run), if any."""
+    try:
+        from .space import embedded_model_notice
+
+        return embedded_model_notice() or None
+    except Exception as exc:  # noqa: BLE001 - a notice must never break loading
+        log.warning("embedded model notice: %s", exc)
+        return None
 
 
 class EngineCache:
@@ -540,10 +536,43 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
 
 
 def _new_state(state: Optional[dict]) -> dict:
-    state = dict(state or {})
+    state = state if state is not None else {}
     state.setdefault("steps", [])
     state.setdefault("trees", {})
     return state
+
+
+class SessionStore:
+    """Each browser session's state (its last reply's steps, its lab trees, its model), kept on the
+    server by gradio's session hash, the least recently used dropped beyond `size`.
+
+    Why not `gr.State`: a page with one keeps a heartbeat stream open to the server for as long
+    as it lives, so it never goes quiet (network-idle), e.g. for a test of the offline page."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._states: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, session: Optional[str]) -> dict:
+        if not session:
+            return _new_state(None)  # a call without a session (direct use): a fresh state
+        with self._lock:
+            state = self._states.get(session)
+            if state is None:
+                state = self._states[session] = _new_state(None)
+                while len(self._states) > self.size:
+                    self._states.popitem(last=False)
+            self._states.move_to_end(session)
+            return state
+
+
+SESSIONS = SessionStore(int(os.environ.get("ENTMTP_APP_SESSIONS", "256") or 256))
+
+
+def session_state(request: Any) -> dict:
+    """The state of the session a gradio request comes from (see `SessionStore`)."""
+    return SESSIONS.get(getattr(request, "session_hash", None) if request is not None else None)
 
 
 def model_info_md(entry: LoadedModel) -> str:

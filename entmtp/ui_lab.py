@@ -21,7 +21,7 @@ import gradio as gr
 from . import viz
 from .ui_common import (CACHE, HEAD_METHODS, LAB_BUDGETS, LAB_MAX_NEW_TOKENS, LAB_MAX_PROMPTS, LAB_RACE_MAX_DEPTH,
                         LAB_RACE_MAX_NODES, UPLOAD_MAX_BYTES, UPLOAD_TYPES, AppError, LoadedModel,
-                        _error_md, _new_state, _notice_md, check_model_key, error_message, tree_choices)
+                        _error_md, _notice_md, check_model_key, error_message, session_state, tree_choices)
 
 
 # ---- topology lab -----------------------------------------------------------------------------------
@@ -86,12 +86,8 @@ def _lab_prompts(upload, use_example: bool, limit: int, notes: list[str]):
 
 
 def _skipped_line(ps) -> str:
-    """'skipped N of M rows: ...' from the loader's own summary of the rows it skipped."""
-    n_rows = len(ps.prompts) + len(ps.skipped)
-    detail = getattr(ps, "skipped_summary", None)
-    text = detail() if callable(detail) else ps.summary()
-    text = re.sub(r"^.*?rows? skipped: ", "", text)
-    return f"{ps.source}: skipped {len(ps.skipped)} of {n_rows} rows: {text}"
+    """'<file>: skipped N of M rows: ...' (the loader's own line)."""
+    return f"{ps.source}: {ps.skipped_note()}"
 
 
 def lab_latency(entry: LoadedModel, heads: str, budgets: list[int], progress) -> tuple[Any, str]:
@@ -221,16 +217,17 @@ def _download_for(key: str, info: dict) -> str:
     return _tree_download(tree, info.get("file") or key, info.get("extra"))
 
 
-def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prompts, max_new_tokens, race, state,
+def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prompts, max_new_tokens, race,
+               request: gr.Request = None,
                progress=gr.Progress()):
     """Run the tree search. Outputs: status, τ frontier, tokens/s frontier, table of chosen
-    trees, tree picker, tree drawing, tree download, chat tree picker, session state.
+    trees, tree picker, tree drawing, tree download, chat tree picker (the trees join the session's state).
 
     race: also race small trees on-policy (`run_search`'s step 6): half the prompts are held
     out, one checks the predictions, the others race; the winner heads the table."""
     from .trees import Tree
 
-    state = _new_state(state)
+    state = session_state(request)
     skip = gr.skip()
     notes: list[str] = []
     try:
@@ -294,18 +291,18 @@ def lab_search(calib_file, use_example, model_key, heads_name, budgets, max_prom
                 figs.get("tokens_per_s") or viz.empty_figure("no latency model: no tokens/s frontier"),
                 {"headers": LAB_HEADERS, "data": [r["cells"] for r in rows]},
                 gr.Dropdown(choices=[r["key"] for r in rows], value=first), viz.tree_figure(tree0),
-                _download_for(first, lab[first]), gr.Dropdown(choices=tree_choices(trees, entry)), state)
+                _download_for(first, lab[first]), gr.Dropdown(choices=tree_choices(trees, entry)))
     except Exception as exc:  # noqa: BLE001
         msg = error_message(exc)
         gr.Warning(msg)
-        return (_error_md(msg) + _notice_md(notes), skip, skip, skip, skip, skip, skip, skip, state)
+        return (_error_md(msg) + _notice_md(notes), skip, skip, skip, skip, skip, skip, skip)
 
 
-def lab_select(name, state):
+def lab_select(name, request: gr.Request = None):
     """Draw a tree of this session's search and offer its JSON. Outputs: tree drawing, download."""
     from .trees import Tree
 
-    state = _new_state(state)
+    state = session_state(request)
     try:
         info = (state.get("lab") or {}).get(name or "")
         if info is None:
@@ -317,14 +314,15 @@ def lab_select(name, state):
         return viz.empty_figure(msg), None
 
 
-def lab_score(tree_file, calib_file, use_example, model_key, heads_name, max_prompts, max_new_tokens, state,
+def lab_score(tree_file, calib_file, use_example, model_key, heads_name, max_prompts, max_new_tokens,
+              request: gr.Request = None,
               progress=gr.Progress()):
     """Score an uploaded tree JSON on the calibration prompts: predicted (statistics pass) and
     measured τ and tokens/s, and plain decoding. Outputs: result, tree drawing, chat tree
-    picker, session state."""
+    picker (the tree joins the session's state)."""
     from .trees import Tree, load_tree
 
-    state = _new_state(state)
+    state = session_state(request)
     skip = gr.skip()
     notes: list[str] = []
     try:
@@ -367,11 +365,11 @@ def lab_score(tree_file, calib_file, use_example, model_key, heads_name, max_pro
                f"{table}</table>" + (f"<div class='entmtp-muted'>{html.escape(expl)}</div>" if expl else "")
                + f"<div>the tree is now in the chat tab's tree list as <b>{html.escape(name)}</b></div>"
                + _notice_md(notes))
-        return out, viz.tree_figure(tree), gr.Dropdown(choices=tree_choices(trees, entry)), state
+        return out, viz.tree_figure(tree), gr.Dropdown(choices=tree_choices(trees, entry))
     except Exception as exc:  # noqa: BLE001
         msg = error_message(exc)
         gr.Warning(msg)
-        return _error_md(msg) + _notice_md(notes), skip, skip, state
+        return _error_md(msg) + _notice_md(notes), skip, skip
 
 
 def lab_check_upload(calib_file):

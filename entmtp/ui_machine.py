@@ -42,7 +42,7 @@ def latency_figure(profile: dict, height: int = 360) -> go.Figure:
                                  line=dict(color=PALETTE[(k + 3) % len(PALETTE)], dash="dash", width=1.5),
                                  hovertemplate="%{x} nodes<br>%{y:.2f} ms<extra>" + html.escape(name) + "</extra>"))
     fig.update_layout(**viz._base_layout("latency vs tree rows, measured on this machine", height))
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.2, x=0.0), margin=dict(l=50, r=10, t=44, b=100))
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.28, x=0.0), margin=dict(l=50, r=10, t=44, b=110))
     fig.update_xaxes(title="tree rows (nodes verified in one forward)", type="log", dtick=0.30103, gridcolor="#f1f5f9")
     fig.update_yaxes(title="ms", rangemode="tozero", gridcolor="#f1f5f9")
     return fig

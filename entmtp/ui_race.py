@@ -21,8 +21,8 @@ from .ui_common import (CACHE, MAX_MESSAGE_CHARS, RACE_MAX_NEW_TOKENS, AppError,
 
 RACE_METHODS = ("hf", "baseline", "medusa", "hydra", "hydra++", "entmtp")
 RACE_MAX_REPEATS = 5
-RACE_HEADERS = ["method", "tokens", "tok/s (median)", "spread", "τ", "× our loop", "× generate", "= generate",
-                "= our loop"]
+RACE_HEADERS = ["method", "new tokens", "tok/s (median run)", "tok/s range", "τ", "× our loop", "× generate",
+                "= generate", "= our loop"]
 
 
 def _sync(engine) -> None:
@@ -86,7 +86,9 @@ def _race_cards(rows: list[dict]) -> str:
             speed = f'{r["tokens_per_s"]:.1f} tok/s · τ {r["tau"]:.2f}'
             if r.get("speedup") is not None:
                 speed += f' · ×{r["speedup"]:.2f} generate'
-        cards.append(f'<div class="entmtp-card" data-method="{html.escape(r["method"], quote=True)}">'
+        figures = "".join(f' data-{k.replace("_", "-")}="{r[k]:.4f}"' for k in ("tokens_per_s", "speedup", "speedup_ours")
+                          if r.get(k) is not None)  # the row's figures, for scripts reading the page
+        cards.append(f'<div class="entmtp-card" data-method="{html.escape(r["method"], quote=True)}"{figures}>'
                      f'<div class="entmtp-card-h"><b>{html.escape(r["label"])}</b><br>'
                      f'<small>{speed}</small> {badge}</div><div class="entmtp-card-b">{body}</div></div>')
     return '<div class="entmtp-race">' + "".join(cards) + "</div>"

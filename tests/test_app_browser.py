@@ -76,7 +76,8 @@ def upload(page, elem: str, path: Path) -> None:
     """Put a file into a gradio File component and wait until it lists the file (the upload goes
     through the server, which on a loaded machine can take long)."""
     page.set_input_files(f"{elem} input[type=file]", str(path))
-    page.wait_for_selector(f"{elem} :text('{path.name}')", timeout=3 * TIMEOUT_MS)
+    # (the component shows the name's stem and suffix apart)
+    page.wait_for_selector(f"{elem} :text('{path.stem}')", timeout=3 * TIMEOUT_MS)
 
 
 def plot_trace_names(page, elem_id: str) -> list[str]:
@@ -134,7 +135,9 @@ def start_long_reply(page, text: str) -> None:
     page.keyboard.press("Tab")
     page.fill("#msg textarea", text)
     page.click("#send")
-    page.wait_for_function("/generating|stop:/.test(document.querySelector('#stats')?.innerText || '')")
+    # the reply has started once the chat shows this message (the stats may still show the last reply's)
+    page.wait_for_function(f"""() => [...document.querySelectorAll('#chatbot .message-row')]
+                                    .some(r => r.innerText.includes({json.dumps(text)}))""")
 
 
 def test_stop_ends_the_reply_and_enables_replay(page):
@@ -143,6 +146,7 @@ def test_stop_ends_the_reply_and_enables_replay(page):
     page.wait_for_function("document.querySelector('#stats')?.innerText.trim() === ''")
     for attempt in range(4):  # the tiny model is fast: a reply may end before the click lands; then again
         start_long_reply(page, f"one two three four five six seven eight nine ten {attempt}")
+        page.wait_for_function("/[1-9]\\d* tokens|stop:/.test(document.querySelector('#stats')?.innerText || '')")
         page.evaluate("document.querySelector('#stop').click()")  # at once (no actionability waits)
         page.wait_for_function("(document.querySelector('#stats')?.innerText || '').includes('stop:')")
         if "stopped by you" in page.inner_text("#stats"):
@@ -222,12 +226,14 @@ def test_a_failed_model_id_is_not_kept(page):
     assert "no-such" not in page.inner_text("#notices")
 
 
-def race_table(page) -> list[list[str]]:
-    return page.evaluate("""() => [...document.querySelectorAll('#race_table tbody tr')].map(
-        tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))""")
+def race_results(page) -> dict[str, dict]:
+    """method -> the figures its result card carries (tokens_per_s, speedup over generate, over our loop)."""
+    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#race_cards .entmtp-card')].map(
+        c => [c.dataset.method, {tokens_per_s: +c.dataset.tokensPerS, speedup: +c.dataset.speedup,
+                                 speedup_ours: +c.dataset.speedupOurs, text: c.innerText}]))""")
 
 
-def run_race(page, prompt: str, new_tokens: int, repeats: int, timeout_ms: int = 180_000) -> list[list[str]]:
+def run_race(page, prompt: str, new_tokens: int, repeats: int, timeout_ms: int = 180_000) -> dict[str, dict]:
     page.get_by_role("tab", name="Race").click()
     page.fill("#race_prompt textarea", prompt)
     page.fill("#race_new input[type=number]", str(new_tokens))
@@ -236,15 +242,17 @@ def run_race(page, prompt: str, new_tokens: int, repeats: int, timeout_ms: int =
     page.keyboard.press("Tab")
     page.click("#race_btn")
     page.wait_for_function("document.querySelector('#race_status')?.innerText.includes('done:')", timeout=timeout_ms)
-    return race_table(page)
+    return race_results(page)
 
 
 def test_race_shows_every_method_timed_alike(page):
-    rows = run_race(page, "what is the capital of france?", 16, 2)
-    assert [r[0].split(" ")[0] for r in rows] == ["HF", "baseline", "Medusa", "Hydra", "entmtp"]
-    assert page.locator("#race_cards .entmtp-card").count() == 5
-    assert all(r[5].startswith("×") and r[6].startswith("×") for r in rows)  # over our loop and over generate
-    assert rows[1][7] == "✓" and all(r[8] == "✓" for r in rows[1:])
+    res = run_race(page, "what is the capital of france?", 16, 2)
+    assert list(res) == ["hf", "baseline", "medusa", "hydra", "entmtp"]
+    assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["speedup_ours"] > 0 for r in res.values())
+    assert res["hf"]["speedup"] == 1.0 and res["baseline"]["speedup_ours"] == 1.0
+    assert all("identical to generate" in r["text"] for r in res.values())
+    table = page.inner_text("#race_table")
+    assert table.count("✓") >= 9 and "× our loop" in table and "× generate" in table
     status = page.inner_text("#race_status")
     assert "interleaved after a warm-up" in status and "float32" in status
     assert page.evaluate("document.querySelector('#race_plot .js-plotly-plot').data[0].error_y.array.length") == 5
@@ -268,20 +276,27 @@ def bench_speedups(root: Path, prompt: str, new_tokens: int, repeats: int) -> di
 
 @pytest.mark.slow
 def test_race_agrees_with_the_bench(page, url):
-    """The race's interleaved figures and `entmtp bench`'s on the same prompt agree within 10%.
-    Both are medians of interleaved repeats; on a machine shared with other work one pair of
-    measurements can still differ by more, so the check is repeated (a real bias repeats)."""
-    prompt, n_new, repeats = "one two three four five six seven eight nine ten", 64, 5
-    gaps = []
-    for attempt in range(3):
-        rows = {r[0].split(" ")[0]: r for r in run_race(page, prompt, n_new, repeats, timeout_ms=600_000)}
-        race = {"baseline": float(rows["baseline"][6][1:]), "hydra": float(rows["Hydra"][6][1:])}
-        bench = bench_speedups(url[1], prompt, n_new, repeats)
-        gap = max(abs(race[m] / bench[m] - 1.0) for m in race)
-        gaps.append((gap, race, bench))
-        if gap <= 0.10:
-            break
-    assert min(g[0] for g in gaps) <= 0.10, gaps
+    """The race's interleaved figures and `entmtp bench`'s on the same prompt agree within 10%:
+    each method's tokens/s over `generate`. Both are medians of interleaved repeats; the tiny
+    model's steps last well under a millisecond, so one measurement on a machine shared with
+    other work scatters by more than that: race and bench alternate, and the medians over the
+    alternations are compared (a real bias, e.g. UI work inside the race's timed window, stays)."""
+    import statistics
+
+    prompt, n_new, repeats = "one two three four five six seven eight nine ten", 128, 5
+    race, bench = {"baseline": [], "hydra": []}, {"baseline": [], "hydra": []}
+    gap = None
+    for attempt in range(7):
+        res = run_race(page, prompt, n_new, repeats, timeout_ms=600_000)
+        got = bench_speedups(url[1], prompt, n_new, repeats)
+        for m in race:
+            race[m].append(res[m]["speedup"])
+            bench[m].append(got[m])
+        if attempt >= 2:
+            gap = max(abs(statistics.median(race[m]) / statistics.median(bench[m]) - 1.0) for m in race)
+            if gap <= 0.10:
+                break
+    assert gap is not None and gap <= 0.10, (race, bench)
 
 
 @needs_search
@@ -352,12 +367,10 @@ def test_machine_view_renders_without_tuning(page):
 
 
 def test_the_page_loads_fully_offline(page, url):
-    """With every request outside the app refused, the page loads every asset and goes quiet: no
-    request is left in flight but gradio's own session heartbeat (a stream that stays open while
-    the page lives, for the per-session state), and it works."""
+    """With every request outside the app refused, the page reaches network-idle and works."""
     base = url[0].rstrip("/")
     ctx = page.context.browser.new_context(viewport={"width": 1280, "height": 900})
-    outside, pending, failed = [], {}, []
+    outside, failed = [], []
 
     def route(r):
         if r.request.url.startswith(base) or r.request.url.startswith(("data:", "blob:")):
@@ -369,22 +382,14 @@ def test_the_page_loads_fully_offline(page, url):
     try:
         ctx.route("**/*", route)
         pg = ctx.new_page()
-        pg.on("request", lambda r: pending.__setitem__(id(r), r.url))
-        pg.on("requestfinished", lambda r: pending.pop(id(r), None))
-        pg.on("requestfailed", lambda r: (pending.pop(id(r), None), failed.append(r.url)))
-        pg.goto(url[0], wait_until="load", timeout=TIMEOUT_MS)
+        # (an event's stream ends when the event does; Chromium may count that as failed)
+        pg.on("requestfailed", lambda r: "/queue/data" in r.url or failed.append(r.url))
+        pg.goto(url[0], wait_until="networkidle", timeout=TIMEOUT_MS)
         pg.wait_for_function("document.querySelector('#model_info')?.innerText.includes('available:')",
                              timeout=TIMEOUT_MS)
-        for _ in range(60):  # quiet: nothing in flight but the heartbeat for 1 s
-            pg.wait_for_timeout(500)
-            busy = [u for u in pending.values() if "/heartbeat/" not in u]
-            if not busy:
-                pg.wait_for_timeout(1000)
-                if not [u for u in pending.values() if "/heartbeat/" not in u]:
-                    break
-        else:
-            raise AssertionError(f"still loading: {busy}")
+        pg.wait_for_load_state("networkidle", timeout=TIMEOUT_MS)  # quiet again once the model info came
+        failed_while_open = list(failed)  # (closing the page ends its streams: those fail)
     finally:
         ctx.close()
     assert not outside, f"requests outside the app: {outside}"
-    assert not failed, f"failed requests: {failed}"
+    assert not failed_while_open, f"failed requests: {failed_while_open}"

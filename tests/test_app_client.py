@@ -292,6 +292,13 @@ def test_lab_search_with_the_bundled_example_and_bad_uploads(client, server):
         client.predict(handle_file(str(big)), False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")
     status = client.predict(None, False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "upload a calibration file" in status
+    # a file with a bad row: the search runs on the rest and says which rows it skipped
+    mixed = write(root / "mixed.jsonl", "\n".join([json.dumps({"prompt": "hello world, how are you today?"}),
+                                                   "{not json", json.dumps({"prompt": "the cat sat on the mat."}),
+                                                   json.dumps({"prompt": "what is the capital of france?"}),
+                                                   json.dumps({"prompt": "one two three four five"})]) + "\n")
+    status = client.predict(handle_file(mixed), False, "default", "hydra", [4], 4, 8, False, api_name="/lab_search")[0]
+    assert "entmtp-error" not in status and "mixed.jsonl: skipped 1 of 5 rows: line 2" in status
     status = client.predict(None, True, "default", "hydra++", [4], 4, 8, False, api_name="/lab_search")[0]
     assert "no hydra++ heads loaded" in status
     with pytest.raises(Exception, match="not in the list of choices"):
@@ -402,9 +409,13 @@ def test_default_model_falls_back_to_the_hub_and_heads_appear_later(tmp_path, mo
         ui.load_model("default")  # offline: no Hub fallback
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    from entmtp import space
+
+    monkeypatch.setattr(space, "embedded_model_notice", lambda: "the checksum-verified GGUF could not be obtained")
     entry = ui.load_model("default")
     assert calls[-2:] == ["default", ui.HUB_FALLBACK] and entry.spec == ui.HUB_FALLBACK
     assert any(ui.HUB_FALLBACK in n for n in entry.notes)
+    assert "the checksum-verified GGUF could not be obtained" in ui.model_info_md(entry)  # shown on the page
     assert "hydra" in entry.engine.runners and "no trained medusa heads yet" in entry.missing["medusa"]
     assert ui.method_status(entry)["medusa"] is not None
 
