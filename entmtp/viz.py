@@ -400,11 +400,11 @@ def step_chart_figure(steps: Sequence[Step], height: int = 300, highlight: Optio
     fig.update_layout(
         barmode="overlay", bargap=0.15,
         # below the plot: above it, several tree names overprinted the title
-        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0, font=dict(size=11)),
+        legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0.0, font=dict(size=11)),
         xaxis=dict(title="step", gridcolor="#f1f5f9", zeroline=False),
         yaxis=dict(title="accepted", rangemode="tozero", gridcolor="#f1f5f9", dtick=1),
         yaxis2=dict(title="root H (nats)", overlaying="y", side="right", rangemode="tozero", showgrid=False),
-        margin=dict(l=50, r=50, t=44, b=90),
+        margin=dict(l=50, r=50, t=44, b=100),
     )
     if highlight is not None:
         fig.add_vline(x=highlight, line=dict(color="#2563eb", width=2, dash="dot"))
