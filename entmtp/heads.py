@@ -277,9 +277,9 @@ class FusedPrefixLayer(nn.Module):
         self.weight = layer.q_proj.weight  # a parameter, so that probes see the dtype
         cat = lambda *ls: torch.cat([m.weight.detach() for m in ls])  # noqa: E731
         self.qkv = pack_panels(cat(layer.q_proj, layer.k_proj, layer.v_proj))
-        self.o = pack_panels(layer.o_proj.weight.detach())
+        self.o = pack_panels(layer.o_proj.weight, fp32_input=True)
         self.gate_up = pack_panels(cat(layer.gate_proj, layer.up_proj))
-        self.down = pack_panels(layer.down_proj.weight.detach())
+        self.down = pack_panels(layer.down_proj.weight, fp32_input=True)
         self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:

@@ -185,12 +185,34 @@ def _panel_ops_registered() -> bool:
         return False
 
 
-def panel_columns() -> int:
-    """Panel width for entmtp's bf16 linears on this CPU: 32 columns (the AVX-512 micro-kernel) where
-    dispatch allows AVX-512, else 16 (AVX2). Both compute each output column as the same chain of fp32
-    FMAs, so they give the same bits; the wide one issues half the instructions for a tree's rows.
-    `ENTMTP_ISA=avx2` (or lower) keeps the 16-column kernel on an AVX-512 CPU."""
-    return 32 if isa_at_least("avx512") else 16
+# panel layouts of entmtp's bf16 linears, by the widest instructions dispatch allows: (columns, k-pairs)
+PANEL_LAYOUTS = {"avx2": (16, False), "avx512": (32, False), "avx512_bf16": (32, True)}
+
+
+def panel_layout() -> str:
+    """The panel layout for this CPU as dispatch sees it (`ENTMTP_ISA` lowers it):
+
+    * "avx2": 16-column panels, weights widened to fp32, fp32 FMAs;
+    * "avx512": 32-column panels, the same FMA chain per output column as "avx2" (the same bits)
+      in half the instructions;
+    * "avx512_bf16": 32 columns in k-pairs for vdpbf16ps (bf16 pairs multiplied exactly, summed
+      into fp32): twice the products per instruction and no widening; inputs are taken as bf16
+      (an fp32 input is rounded, as a stock bf16 layer would). Other bits than the FMA layouts.
+
+    Every layout computes each row alone in a fixed order, so a tree's rows are bitwise one-row
+    steps; the plain loop and the tree always share one layout."""
+    return next((isa for isa in ("avx512_bf16", "avx512") if isa_at_least(isa)), "avx2")
+
+
+def pack_panels(weight: torch.Tensor, layout: Optional[str] = None, fp32_input: bool = False) -> torch.Tensor:
+    """weight [N, K] bf16 -> its panels for `bf16_panels_linear` in `layout` (default `panel_layout()`).
+    fp32_input: the layer is fed float32 values (an attention output, a fused MLP's middle) whose
+    products must stay exact, so the k-pair layout (bf16 inputs) gives way to the FMA one."""
+    layout = layout or panel_layout()
+    if fp32_input and PANEL_LAYOUTS[layout][1]:
+        layout = "avx512"
+    cols, pairs = PANEL_LAYOUTS[layout]
+    return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), cols, pairs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,14 +221,9 @@ def _source_id() -> str:
 
 
 def library_id() -> str:
-    """Names the version of entmtp's kernel library as dispatched here (its source and panel width):
+    """Names the version of entmtp's kernel library as dispatched here (its source and panel layout):
     measurements of its speed are only valid for the library they were taken with."""
-    return f"k{_source_id()}w{panel_columns()}"
-
-
-def pack_panels(weight: torch.Tensor, columns: Optional[int] = None) -> torch.Tensor:
-    """weight [N, K] bf16 -> panels [ceil(N / c), K, c] for `bf16_panels_linear` (c = `panel_columns()`)."""
-    return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), columns or panel_columns())
+    return f"k{_source_id()}-{panel_layout()}"
 
 
 def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]:
@@ -414,7 +431,7 @@ class FusedMLP(nn.Module):
         self.gate_weight, self.up_weight, self.down_weight = g.weight, u.weight, d.weight  # shared parameters
         self.in_features, self.inter, self.out_features = g.in_features, g.out_features, d.out_features
         self.gate_up = pack_panels(torch.cat([g.weight.detach(), u.weight.detach()]))
-        self.down = pack_panels(d.weight)
+        self.down = pack_panels(d.weight, fp32_input=True)
         self.__dict__["_reference"] = mlp.forward
 
     @staticmethod
@@ -468,7 +485,7 @@ class FusedAttention(nn.Module):
         self.q_weight, self.k_weight, self.v_weight, self.o_weight = q.weight, k.weight, v.weight, o.weight  # shared
         self.qkv = pack_panels(torch.cat([q.weight.detach(), k.weight.detach(), v.weight.detach()]))
         self.qkv_bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias]).detach()
-        self.o = pack_panels(o.weight)
+        self.o = pack_panels(o.weight, fp32_input=True)
         self.o_bias = o.bias
         self.__dict__["_reference"] = attn  # the replaced module, for `matches` (not a submodule)
 
@@ -715,5 +732,5 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
 
 __all__ = ["KERNELS", "KERNEL_SETS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
-           "packed_linear", "pack_panels", "panel_columns", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
+           "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

@@ -290,6 +290,9 @@ def test_panel_kernel_is_the_exact_product_up_to_rounding(n, k, bias):
 needs_wide_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
                                        or not hardware.isa_at_least("avx512"),
                                        reason="the 32-column panel kernel needs AVX-512 (and the panel library)")
+needs_pair_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
+                                       or not hardware.isa_at_least("avx512_bf16"),
+                                       reason="the k-pair panel kernel needs AVX512-BF16 (and the panel library)")
 
 
 @needs_wide_panels
@@ -300,7 +303,7 @@ def test_wide_panels_give_the_same_bits_as_the_avx2_panels(n, k):
     tails and odd widths; and each row equals that row alone (row invariance)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    narrow, wide = kernels.pack_panels(w, 16), kernels.pack_panels(w, 32)
+    narrow, wide = kernels.pack_panels(w, "avx2"), kernels.pack_panels(w, "avx512")
     assert wide.shape == ((n + 31) // 32, k, 32)
     for m in list(range(1, 26)) + [40]:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -311,14 +314,42 @@ def test_wide_panels_give_the_same_bits_as_the_avx2_panels(n, k):
         assert torch.equal(alone, y32), m
 
 
+@needs_pair_panels
+@pytest.mark.parametrize("n,k,bias", [(40, 24, False), (33, 7, True), (64, 96, False), (200, 577, True)])
+def test_pair_panels_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
+    """AVX512-BF16 k-pair panels (vdpbf16ps): each row alone gives the same bits as in any block of
+    rows; the fp32 result is the exact product up to fp32 summation; an fp32 input is taken
+    rounded to bf16 (as a stock bf16 layer takes it); odd widths are zero-padded."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    pairs = kernels.pack_panels(w, "avx512_bf16")
+    assert pairs.shape == ((n + 31) // 32, (k + 1) // 2, 64)
+    for m in list(range(1, 26)) + [40]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        y = torch.ops.entmtp_cpu.bf16_panels_linear(x, pairs, n, b, True)
+        exact = x.double() @ w.double().T + (b.double() if bias else 0)
+        assert ((y.double() - exact).abs() <= 1e-5 * exact.abs().max()).all(), m
+        alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], pairs, n, b, True) for i in range(m)])
+        assert torch.equal(alone, y), m
+        xf = torch.randn(m, k, generator=g)
+        assert torch.equal(torch.ops.entmtp_cpu.bf16_panels_linear(xf, pairs, n, b, True),
+                           torch.ops.entmtp_cpu.bf16_panels_linear(xf.to(torch.bfloat16), pairs, n, b, True))
+
+
 @needs_panels
-def test_panel_width_follows_dispatch(monkeypatch):
-    """ENTMTP_ISA=avx2 keeps the 16-column kernel on an AVX-512 CPU; the wide one only where dispatch allows it."""
+def test_panel_layout_follows_dispatch(monkeypatch):
+    """ENTMTP_ISA lowers the layout on a wider CPU (so each kernel runs and is tested here); a
+    layout only where dispatch allows it."""
     monkeypatch.setenv("ENTMTP_ISA", "avx2")
-    assert kernels.panel_columns() == 16
+    assert kernels.panel_layout() == "avx2"
     assert kernels.pack_panels(torch.randn(20, 8).to(torch.bfloat16)).shape == (2, 8, 16)
     monkeypatch.delenv("ENTMTP_ISA")
-    assert kernels.panel_columns() == (32 if hardware.isa_at_least("avx512") else 16)
+    want = next((i for i in ("avx512_bf16", "avx512") if hardware.isa_at_least(i)), "avx2")
+    assert kernels.panel_layout() == want
+    if hardware.isa_at_least("avx512_bf16"):
+        monkeypatch.setenv("ENTMTP_ISA", "avx512")
+        assert kernels.panel_layout() == "avx512"
     with pytest.raises(RuntimeError, match="cols must be 16"):
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.randn(20, 8).to(torch.bfloat16), 24)
 

@@ -15,7 +15,8 @@
 // instructions (a tree's extra rows cost arithmetic, not weight reads).
 //
 // Ops (namespace entmtp_cpu):
-//   bf16_pack_panels(Tensor w, int cols=16) -> Tensor                    w [N, K] bf16; cols 16 or 32 (AVX-512)
+//   bf16_pack_panels(Tensor w, int cols=16, bool pairs=False) -> Tensor  w [N, K] bf16; cols 16 or 32 (AVX-512);
+//       pairs: 32 columns in k-pairs for AVX512-BF16's vdpbf16ps
 //   bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor
 //       x [..., K] bf16 or fp32 -> [..., n] (bf16, or fp32 when out_float: the sums before rounding)
 //   bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor
@@ -50,10 +51,14 @@ constexpr int kPrefetchBytes = 2048;  // 64 k-rows ahead (measured best of 1-2 K
 // column j of a panel goes to slot kSlot[j] of each packed k-row (see the layout note above)
 constexpr int kSlot[kCols] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols) {
+at::Tensor pack_pairs(const at::Tensor& w);
+
+at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.device().is_cpu(),
               "bf16_pack_panels: w must be a 2-D bfloat16 CPU tensor");
   TORCH_CHECK(cols == kCols || cols == kWideCols, "bf16_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
+  TORCH_CHECK(!pairs || cols == kWideCols, "bf16_pack_panels: k-pair panels have 32 columns");
+  if (pairs) return pack_pairs(w_.contiguous());
   const at::Tensor w = w_.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
   at::Tensor out = at::zeros({P, K, cols}, w.options());
@@ -174,20 +179,121 @@ __attribute__((target("avx512f"))) void panel_wide(const float* xp, int64_t M, i
   if (m < M) rows_wide<kWideRows - 1>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
 }
 
+// k-pair panels for CPUs with AVX512-BF16: W [N, K] -> [ceil(N/32), ceil(K/2), 64], each k-pair row
+// holding, for columns 0-15 then 16-31, the two weights (k = 2i, 2i + 1) of each column side by
+// side -- the operand layout of vdpbf16ps, which multiplies bf16 pairs exactly and adds both
+// products into an fp32 lane. Odd K is zero-padded.
+at::Tensor pack_pairs(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kWideCols - 1) / kWideCols, K2 = (K + 1) / 2;
+  at::Tensor out = at::zeros({P, K2, 2 * kWideCols}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < kWideCols && p * kWideCols + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K2 + k / 2) * 2 * kWideCols + 2 * j + (k & 1)] = src[(p * kWideCols + j) * K + k];
+  });
+  return out;
+}
+
+// y[m, 0:ncols] = x[m, :] . panel columns for MB rows, x as bf16 k-pairs [MB, K2] (one uint32 each).
+// Each output lane is one chain of vdpbf16ps over k-pairs in order: the same bits whatever the
+// row count or the rows beside it (row invariance), at twice the products per instruction of
+// fp32 FMAs and with no widening of the weights.
+template <int MB>
+__attribute__((target("avx512f,avx512bf16"))) inline void micro_pairs(const uint32_t* x, int64_t K2,
+                                                                      const uint16_t* panel, float* y, int64_t ldy,
+                                                                      int ncols) {
+  __m512 acc[MB][2];
+  _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+    acc[m][0] = _mm512_setzero_ps();
+    acc[m][1] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* row = panel + k * 2 * kWideCols;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes + 64, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + kWideCols);
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + k]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+    }
+  }
+  if (ncols == kWideCols) {
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_storeu_ps(y + m * ldy, acc[m][0]);
+      _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
+    }
+  } else {
+    alignas(64) float tmp[kWideCols];
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_store_ps(tmp, acc[m][0]);
+      _mm512_store_ps(tmp + 16, acc[m][1]);
+      for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
+    }
+  }
+}
+
+template <int MB>
+__attribute__((target("avx512f,avx512bf16"))) void rows_pairs(const uint32_t* x, int64_t K2, const uint16_t* panel,
+                                                              float* y, int64_t ldy, int ncols, int rows) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return rows_pairs<MB - 1>(x, K2, panel, y, ldy, ncols, rows);
+  }
+  micro_pairs<MB>(x, K2, panel, y, ldy, ncols);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void panel_pairs(const uint32_t* xp, int64_t M, int64_t K2,
+                                                               const uint16_t* panel, float* yb, int64_t n, int nc) {
+  int64_t m = 0;
+  for (; m + kWideRows <= M; m += kWideRows) micro_pairs<kWideRows>(xp + m * K2, K2, panel, yb + m * n, n, nc);
+  if (m < M) rows_pairs<kWideRows - 1>(xp + m * K2, K2, panel, yb + m * n, n, nc, static_cast<int>(M - m));
+}
+
+// x [M, K] (bf16, or fp32 rounded to bf16 as a bf16 layer's input is) -> [M, K2] bf16 k-pairs, zero-padded
+at::Tensor pair_rows(const at::Tensor& x, int64_t K2) {
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (xb.size(1) != 2 * K2) xb = at::constant_pad_nd(xb, {0, 2 * K2 - xb.size(1)});
+  return xb.contiguous();
+}
+
 at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
                               const c10::optional<at::Tensor>& bias, bool out_float) {
   TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat) &&
                   x_.device().is_cpu(),
               "bf16_panels_linear: x must be a bfloat16 or float32 CPU tensor");
-  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols) &&
-                  panels.size(1) == x_.size(-1) &&
+  const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kWideCols;
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols || pairs) &&
+                  (pairs ? panels.size(1) == (x_.size(-1) + 1) / 2 : panels.size(1) == x_.size(-1)) &&
                   panels.scalar_type() == at::kBFloat16 && panels.is_contiguous(),
               "bf16_panels_linear: panels must come from bf16_pack_panels for this input width");
-  const int64_t cols = panels.size(2);
+  const int64_t cols = pairs ? kWideCols : panels.size(2);
   TORCH_CHECK(n > (panels.size(0) - 1) * cols && n <= panels.size(0) * cols,
               "bf16_panels_linear: n does not match the panels");
   TORCH_CHECK(cols == kCols || __builtin_cpu_supports("avx512f"),
               "bf16_panels_linear: 32-column panels need a CPU with AVX-512");
+  TORCH_CHECK(!pairs || __builtin_cpu_supports("avx512bf16"),
+              "bf16_panels_linear: k-pair panels need a CPU with AVX512-BF16");
+  if (pairs) {
+    const int64_t K2 = panels.size(1), P = panels.size(0);
+    const at::Tensor xr = pair_rows(x_.reshape({-1, x_.size(-1)}), K2);
+    const int64_t M = xr.size(0);
+    std::vector<int64_t> shape = x_.sizes().vec();
+    shape.back() = n;
+    at::Tensor y = at::empty({M, n}, x_.options().dtype(at::kFloat));
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        panel_pairs(xp, M, K2, wp + p * K2 * 2 * kWideCols, yp + p * kWideCols, n,
+                    static_cast<int>(std::min<int64_t>(kWideCols, n - p * kWideCols)));
+    });
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return (out_float ? y : y.to(at::kBFloat16)).view(shape);
+  }
   const at::Tensor x = x_.reshape({-1, x_.size(-1)}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   std::vector<int64_t> out_shape = x_.sizes().vec();
@@ -548,7 +654,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 }  // namespace
 
 TORCH_LIBRARY(entmtp_cpu, m) {
-  m.def("bf16_pack_panels(Tensor w, int cols=16) -> Tensor");
+  m.def("bf16_pack_panels(Tensor w, int cols=16, bool pairs=False) -> Tensor");
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
