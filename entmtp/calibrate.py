@@ -70,8 +70,9 @@ from .verify import last_positions
 STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
 # How steps are timed (bump when `measure_latency` changes what it measures; older caches are
-# measured again): 2 = warm step before each timed one, context window, dense size grid.
-LATENCY_PROTOCOL = 2
+# measured again): 2 = warm step before each timed one, context window, dense size grid;
+# 3 = plain steps interleaved with the rounds, fastest of the repeats.
+LATENCY_PROTOCOL = 3
 
 # Bounds on the expensive parameters (the app passes user input straight through).
 MAX_UNION_NODES = 512
@@ -1247,7 +1248,7 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None) -> LatencyModel:
-    """Measure one decoding step's time (draft + verify + bookkeeping, median of `repeats`)
+    """Measure one decoding step's time (draft + verify + bookkeeping, fastest of `repeats`)
     with the real engine and heads, for representative trees of every size in `sizes`
     (default `size_grid`) at every depth in `depths` (default 1..num_heads), plus a root-only
     (plain decoding) step. All trees run round-robin, on a context of `context_tokens` random
@@ -1281,17 +1282,21 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         progress("latency", min(done[0], total), total)
 
     progress("latency", 0, total)
-    # rounds: every tree once per round, so load drift is shared
-    seq = [j for _ in range(repeats) for j in range(len(bank))]
-    times = _cycle_times(engine, heads, bank, seq, ctx, tick)
-    base = _cycle_times(engine, None, [Tree.from_paths([])], [0] * repeats, ctx, tick).get(0, [])
+    # rounds: every tree once per round and plain steps after each round, so load drift is shared;
+    # the fastest of the rounds per tree, so a burst of load elsewhere costs a sample, not a tree
+    times: dict[int, list[float]] = {}
+    base: list[float] = []
+    for _ in range(repeats):
+        for j, ts in _cycle_times(engine, heads, bank, list(range(len(bank))), ctx, tick).items():
+            times.setdefault(j, []).extend(ts)
+        base += _cycle_times(engine, None, [Tree.from_paths([])], [0], ctx, tick).get(0, [])
     points = {d: [] for d in depths}
     for j, (n, d) in enumerate(jobs):
         if times.get(j):
-            points[d].append((n, statistics.median(times[j])))
+            points[d].append((n, min(times[j])))
     meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats,
             "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return LatencyModel(statistics.median(base) if base else float("nan"), points, meta)
+    return LatencyModel(min(base) if base else float("nan"), points, meta)
 
 
 def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, remeasure: bool = False,
