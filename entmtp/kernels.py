@@ -23,7 +23,9 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   (`csrc/bf16_panels.cpp`, built once with torch's C++ extension builder): each weight repacked
   once into 16-column panels, widened to fp32 in registers, fp32 accumulation -- the same exact
   products in another order, within bf16 rounding of the stock kernel (probed per layer); a 9-row
-  forward costs ~1.2 one-row ones. The same library fuses what costs more dispatch than
+  forward costs ~1.2 one-row ones. On AVX-512 CPUs the same products run on 32-column panels
+  (the same bits, half the instructions), and on AVX512-BF16 ones layers fed bf16 run on k-pair
+  panels for vdpbf16ps (`panel_layout`; `python scripts/bench_panel_layouts.py`). The same library fuses what costs more dispatch than
   arithmetic: Llama-style RMSNorms (`FusedRMSNorm`, one op instead of eight) and gated MLPs
   (`FusedMLP`: gate and up as one panel product, silu x up in fp32, three ops instead of five
   module calls), each probed against the module it replaces; with float32 attention
@@ -358,7 +360,7 @@ class PackedLinear(_PackedBase):
 
 
 class PanelLinear(_PackedBase):
-    """bf16 weight also kept in 16-column panels for entmtp's AVX2 kernel (`csrc/bf16_panels.cpp`).
+    """bf16 weight also kept in panels for entmtp's kernel (`csrc/bf16_panels.cpp`, layout `panel_layout()`).
 
     Every row count runs the panel kernel, within bf16 rounding of torch's (a one-row step too:
     faster than torch's bf16 kernel here, and identity with `generate` is lost anyway once the
@@ -680,8 +682,8 @@ KERNEL_WHY = {
     "stock": "transformers' own kernels",
     "onednn": "linears prepacked for oneDNN (no per-call weight relayout; bf16 bit-identical to stock, fp32 within "
               f"{FP32_PROBE_RTOL:g}, probed)",
-    "panels": "entmtp's kernel library: bf16 linears in 16-column panels with fp32 sums (the same summation order "
-              "for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
+    "panels": "entmtp's kernel library: bf16 linears in panels with fp32 sums, each row alone in a fixed order (the "
+              "same bits for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
 }
 
 
@@ -727,7 +729,8 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
         raise ValueError(f"cannot use the {kernels} kernels: {e}") from None
     if fp32_attention:
         use_fp32_attention(twin, model.config)
-    return twin, kernels, KERNEL_WHY[kernels]
+    why = KERNEL_WHY[kernels] + (f"; {panel_layout()} panel layout" if kernels == "panels" else "")
+    return twin, kernels, why
 
 
 __all__ = ["KERNELS", "KERNEL_SETS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
