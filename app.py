@@ -1,4 +1,5 @@
-"""entmtp web app: chat with a draft tree drawn per step, a side-by-side race, a topology lab.
+"""entmtp web app: chat with a draft tree drawn per step, a fair side-by-side race, a topology lab,
+and the profile this machine was tuned to.
 
 Run `python app.py` (Hugging Face Spaces runs this file too). Building `demo` loads no model:
 the default model is loaded in a background thread at launch, or on first use.
