@@ -321,9 +321,12 @@ def build_demo() -> gr.Blocks:
                                                 ch["stats"], ch["notices"], ch["slider"]],
                           api_name="clear", concurrency_limit=None)
         replay_out = [ch["tree_plot"], ch["strip"], ch["step_plot"]]
-        # change: dragging, and typing a number in the slider's box, both redraw
-        ch["slider"].change(replay, [ch["slider"], ch["color_by"]], replay_out, api_name="replay",
-                            concurrency_limit=None)
+        # input: typing a number in the slider's box; release: dragging (not change: the reply's own
+        # updates of the slider would redraw too, with a stale value after Clear)
+        ch["slider"].input(replay, [ch["slider"], ch["color_by"]], replay_out, api_name="replay",
+                           concurrency_limit=None)
+        ch["slider"].release(replay, [ch["slider"], ch["color_by"]], replay_out, api_visibility="private",
+                             concurrency_limit=None)
         ch["color_by"].input(replay, [ch["slider"], ch["color_by"]], replay_out, api_visibility="private",
                              concurrency_limit=None)
 

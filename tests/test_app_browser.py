@@ -104,6 +104,11 @@ def test_chat_streams_tree_and_strip(page):
     assert page.locator("#strip .entmtp-step").count() >= 2
     assert "τ" in page.inner_text("#stats")
     assert "root entropy" in plot_trace_names(page, "step_plot")
+    # one bar per step, one step wide, whatever tree it used; the legend below the plot
+    widths = page.evaluate("""() => document.querySelector('#step_plot .js-plotly-plot').data
+                                   .filter(t => t.type === 'bar').flatMap(t => t.width)""")
+    assert widths and all(w == 0.8 for w in widths)
+    assert page.evaluate("document.querySelector('#step_plot .js-plotly-plot').layout.legend.y") < 0
     page.locator("#tree_plot").scroll_into_view_if_needed()
     settle(page)
     page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)

@@ -449,3 +449,46 @@ def test_engine_cache_is_an_lru_with_one_load_per_key():
     cache.get("c")  # evicts b
     assert cache.peek("b") is None and cache.peek("a") is not None and cache.peek("c") is not None
     assert loads == ["a", "b", "c"]
+
+
+def test_default_dtype_is_the_fastest_lossless_one(tmp_path, monkeypatch):
+    import torch
+
+    from entmtp import hardware, kernels, ui_common
+
+    # the choice: float32 while nothing is measured; bf16 where this CPU runs bf16 kernels; the override
+    assert ui_common.app_dtype()[0] == "float32"  # ENTMTP_TUNE=0 in the tests
+    with monkeypatch.context() as m:
+        m.setenv("ENTMTP_TUNE", "1")
+        m.setattr(hardware, "fast_bf16_matmul", lambda: True)
+        assert ui_common.app_dtype() == ("bfloat16", "to be confirmed")
+        m.setattr(hardware, "fast_bf16_matmul", lambda: False)
+        m.setattr(kernels, "kernel_options", lambda dtype, device="cpu": {"panels": "not here"})
+        assert ui_common.app_dtype()[0] == "float32"
+        m.setenv("ENTMTP_APP_DTYPE", "bfloat16")
+        assert ui_common.app_dtype() == ("bfloat16", "set by ENTMTP_APP_DTYPE")
+        m.setenv("ENTMTP_APP_DTYPE", "float16")
+        with pytest.raises(ui_common.AppError, match="float32 or bfloat16"):
+            ui_common.app_dtype()
+
+    # after loading in bf16, the kernel probe's row invariance decides: kept, or reloaded in float32
+    for k, v in tiny_app_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    invariant, loads = [False], []
+    real = ui_common._load_engine
+
+    def load(spec, dtype):
+        loads.append(dtype)
+        engine = real(spec, dtype)
+        engine.row_invariant = invariant[0]
+        return engine
+
+    monkeypatch.setattr(ui_common, "_load_engine", load)
+    monkeypatch.setattr(ui_common, "app_dtype", lambda: ("bfloat16", "to be confirmed"))
+    entry = ui_common.load_model("default")
+    assert loads == ["bfloat16", "float32"] and entry.engine.dtype == torch.float32
+    assert "not row-invariant on this machine" in entry.dtype_why
+    invariant[0], loads[:] = True, []
+    entry = ui_common.load_model("default")
+    assert loads == ["bfloat16"] and entry.engine.dtype == torch.bfloat16
+    assert "fastest dtype in which speculation is lossless here" in ui_common.model_info_md(entry)
