@@ -1274,7 +1274,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     progress = progress or _noop
     jobs = latency_jobs(sizes, depths)
     bank = [representative_tree(n, d) for n, d in jobs]
-    total = (len(jobs) + 1) * repeats
+    total = (len(jobs) + 3) * repeats
     done = [0]
 
     def tick(k=1):
@@ -1289,7 +1289,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     for _ in range(repeats):
         for j, ts in _cycle_times(engine, heads, bank, list(range(len(bank))), ctx, tick).items():
             times.setdefault(j, []).extend(ts)
-        base += _cycle_times(engine, None, [Tree.from_paths([])], [0], ctx, tick).get(0, [])
+        base += _cycle_times(engine, None, [Tree.from_paths([])], [0] * 3, ctx, tick).get(0, [])
     points = {d: [] for d in depths}
     for j, (n, d) in enumerate(jobs):
         if times.get(j):
