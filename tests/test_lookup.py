@@ -130,7 +130,7 @@ def test_lookup_min_ngram_grafts_only_longer_matches_and_stays_lossless(heads):
 
 
 def test_app_stats_count_tokens_accepted_from_lookup():
-    from entmtp import ui
+    from entmtp import ui_chat as ui
 
     eng = engine_for("llama")
     prompt = [5, 9, 2, 7, 11, 5, 9, 2]
