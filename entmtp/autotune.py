@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from .bank import compare_on, fit_entropy_bank
-from .calibrate import CalibrationStats, LatencyModel, measure_latency
+from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .trees import Tree
@@ -99,7 +99,8 @@ def trees_path(engine, heads: str) -> Path:
     """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>.json`."""
     key = model_key(engine.model)
     label = heads.replace("+", "p")
-    name = f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-{_heads_id(engine.runners[heads])}.json"
+    name = (f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-"
+            f"{_heads_id(engine.runners[heads])}-p{LATENCY_PROTOCOL}.json")  # remeasured when the timing protocol changes
     return machine_dir(engine.device) / name
 
 
