@@ -43,6 +43,7 @@ from .verify import forward, tree_mask
 
 PROFILE_FORMAT = "entmtp-kernel-profile/1"
 NOT_SLOWER = 1.05  # a set's one-row step may cost this much of stock's and still count as "not slower" (timing noise)
+THREADS_GAIN = 1.5  # all threads must decode this much faster than one to be chosen (see measure_threads)
 CPU_ROWS = (1, 2, 4, 8, 16, 32)
 CUDA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -268,7 +269,9 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
 def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int, float]]:
     """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count (as
     `trial` measured it) against one thread. Small models decode in thousands of short parallel
-    regions a second; their synchronisation can cost more than a second core gives."""
+    regions a second; their synchronisation can cost more than a second core gives, and a thread
+    that waits on a core another process holds stalls every region: all threads are chosen only
+    when they are THREADS_GAIN times as fast as one."""
     n = torch.get_num_threads()
     out = {n: trial.tree_ms()}
     torch.set_num_threads(1)
@@ -276,9 +279,15 @@ def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int
         out[1] = measure_set(model, name, rows=(1, 8), check_rows=()).tree_ms()
     finally:
         torch.set_num_threads(n)
-    # more threads only where they are clearly faster: one thread also survives a busy neighbour core
-    best = 1 if out[1] <= out[n] * NOT_SLOWER else n
-    return best, out
+    return choose_threads(out), out
+
+
+def choose_threads(ms_by_threads: dict[int, float]) -> int:
+    """{threads: ms} -> the count to decode with: the most threads only where they are THREADS_GAIN
+    times as fast as one (with another busy process on a 2-core machine two threads decoded at
+    ~0.55x their idle speed, one thread at ~1.0x: `python scripts/busy_neighbour.py`), else one."""
+    n = max(ms_by_threads)
+    return n if 1 in ms_by_threads and ms_by_threads[1] >= ms_by_threads[n] * THREADS_GAIN else 1
 
 
 def apply_threads(profile: KernelProfile) -> Optional[int]:
@@ -328,4 +337,4 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
 
 
 __all__ = ["KernelTrial", "KernelProfile", "model_key", "profile_path", "measure_set", "choose", "probe_kernels",
-           "unmeasured_profile", "kernel_profile", "measure_threads", "apply_threads"]
+           "unmeasured_profile", "kernel_profile", "measure_threads", "choose_threads", "apply_threads"]

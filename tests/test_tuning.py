@@ -148,3 +148,13 @@ def test_gpu_check_script_runs_here_on_the_cpu(tmp_path):
     assert all(out["float32"][m] == "4/4" for m in ("baseline", "medusa", "hydra", "hydra++"))
     assert set(out["bfloat16"]["step_ms_by_rows"]) == {str(r) for r in (1, 2, 4, 8, 16, 32, 64, 128)}
     assert "cannot take a tree mask" in out["flash_refused"] and out["device_map_auto"]["identical"] == "4/4"
+
+
+def test_threads_are_added_only_where_they_pay_for_a_busy_neighbour():
+    """One thread unless all of them are at least THREADS_GAIN times as fast (a second thread
+    waiting on a core another process holds stalls every parallel region)."""
+    from entmtp.tuning import THREADS_GAIN, choose_threads
+
+    assert choose_threads({2: 21.3, 1: 27.1}) == 1  # 1.27x faster: not worth the risk
+    assert choose_threads({16: 10.0, 1: 10.0 * THREADS_GAIN}) == 16
+    assert choose_threads({1: 20.0}) == 1 and choose_threads({4: 30.0, 1: 20.0}) == 1
