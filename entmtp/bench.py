@@ -319,8 +319,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           + ("; grafted after a match of at least " + ", ".join(f"{m} {k}" for m, k in meta["lookup_min_ngram"].items()) + " tokens"
              if meta.get("lookup_min_ngram") else "")
           + f"; our methods' greedy lm_head: {meta.get('greedy_lm_head', 'full')}; our methods' kernels: {meta.get('kernels', 'stock')}.",
-          "Recorded trees / banks for this dtype and hardware: " + (", ".join(
-              f"{h} {v['tree']} / {v['bank']}" for h, v in meta.get("recorded_trees", {}).items()) or "none")
+          "Decoded with: " + ("; ".join(f"{m}: {label}" for m, label in meta.get("decoded_with", {}).items()) or "-")
           + "".join(f"; overridden by --{k} {v}" for k, v in (meta.get("overrides") or {}).items() if v) + ".", "",
           *[f"* {line}" for line in headline_lines(summary.get("headline", {}))], "",
           "Speedup vs baseline: over our own plain loop on the same kernels (speculation alone); "
@@ -384,6 +383,9 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
             "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
             "recorded_trees": recorded_trees(engine, cfg.methods),
+            # what each method ran: its heads and the tree or scheduler (tuned on this machine unless overridden)
+            "decoded_with": {m: (f"{r.label} ({r.heads} heads)" if r.heads else r.label)
+                             for m, r in make_runners(engine, cfg).items()},
             "overrides": {"tree": cfg.tree, "bank": cfg.bank}}
 
 
