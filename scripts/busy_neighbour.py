@@ -13,6 +13,8 @@ threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 os.environ["ENTMTP_THREADS"] = str(threads)  # the count asked for, not the measured one
 os.environ.setdefault("ENTMTP_TUNE", "0")
 
+import entmtp  # noqa: E402,F401  first, as the CLI and the app do: it sets OpenMP's wait policy before torch loads
+
 import torch  # noqa: E402
 
 from entmtp.decoding import DecodeConfig  # noqa: E402
