@@ -121,6 +121,24 @@ inline void micro(const float* x, int64_t K, const uint16_t* panel, float* y, in
   }
 }
 
+// y[m, 0:ncols] = the 32 accumulated columns of each of MB rows (a panel's tail keeps only ncols)
+template <int MB>
+__attribute__((target("avx512f"))) inline void store_wide(const __m512 (&acc)[MB][2], float* y, int64_t ldy, int ncols) {
+  if (ncols == kWideCols) {
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_storeu_ps(y + m * ldy, acc[m][0]);
+      _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
+    }
+  } else {
+    alignas(64) float tmp[kWideCols];
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      _mm512_store_ps(tmp, acc[m][0]);
+      _mm512_store_ps(tmp + 16, acc[m][1]);
+      for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
+    }
+  }
+}
+
 // The AVX-512 twin of `micro`, on 32-column panels: y[m, 0:ncols] = x[m, :] . panel columns for MB
 // rows. Each output column is the same chain of fp32 FMAs over k as in `micro` (one accumulator
 // lane per column, k in order), so both kernels give bit-identical results; this one issues half
@@ -145,19 +163,7 @@ __attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_
       acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
     }
   }
-  if (ncols == kWideCols) {
-    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-      _mm512_storeu_ps(y + m * ldy, acc[m][0]);
-      _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
-    }
-  } else {
-    alignas(64) float tmp[kWideCols];
-    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-      _mm512_store_ps(tmp, acc[m][0]);
-      _mm512_store_ps(tmp + 16, acc[m][1]);
-      for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
-    }
-  }
+  store_wide<MB>(acc, y, ldy, ncols);
 }
 
 constexpr int kWideRows = 12;
@@ -221,19 +227,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void micro_pairs(const uint
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
     }
   }
-  if (ncols == kWideCols) {
-    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-      _mm512_storeu_ps(y + m * ldy, acc[m][0]);
-      _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
-    }
-  } else {
-    alignas(64) float tmp[kWideCols];
-    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-      _mm512_store_ps(tmp, acc[m][0]);
-      _mm512_store_ps(tmp + 16, acc[m][1]);
-      for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
-    }
-  }
+  store_wide<MB>(acc, y, ldy, ncols);
 }
 
 template <int MB>
