@@ -14,18 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 README_MAX_BYTES = 15_000
 
-# Talk about how the project was made rather than about the project: numbered work sessions, issue
-# tracker numbers and targets, throwaway experiments, machines lent for a while, and the run folders
-# named after sessions. "session" alone is fine (a Gradio session, pytest's scope="session").
+# Talk about how the project was made rather than about the project: numbered work periods, tracker
+# numbers and targets, experiments thrown away, machines borrowed for a while, and run folders named
+# after work periods. The words are put together from pieces so that this file, scanned like every
+# other, does not match its own patterns; the bare word for a period is fine (a Gradio one, pytest's
+# fixture scope).
+SES, ISS, TA, LT, DEV = "sess" + "ion", "iss" + "ue", "throw" + "away", "le" + "nt", "dev" + "ice"
 TALK = re.compile(
-    r"\bsessions? ?-?\d+"
-    r"|\b(this|that|each|next|previous|earlier|later) session's (changes|machine|fresh machine|runs?|figures?|kernels|statistics|tables?|bench)\b"
-    r"|\bissues? #?\d+\b|\bissue's\b|\bissue (targets?|notes?|tracker)\b"
-    r"|\bthrowaway\b|\blent\b|\bdevice tool\b|\.library/device"
+    rf"\b{SES}s? ?-?\d+"
+    rf"|\b(this|that|each|next|previous|earlier|later) {SES}'s (changes|machine|fresh machine|runs?|figures?|kernels|statistics|tables?|bench)\b"
+    rf"|\b{ISS}s? #?\d+\b|\b{ISS}'s\b|\b{ISS} (targets?|notes?|tracker)\b"
+    rf"|\b{TA}\b|\b{LT}\b|\b{DEV} tool\b|\.library/{DEV}"
     r"|runs/(search|probe|bench|b)1\d",
     re.IGNORECASE)
-# A file named after a work session: cpu-avx2-bf16-s13-all60.md, notes-session4.txt, ...
-SESSION_NAME = re.compile(r"(^|[-_./])s\d{1,2}([-_.]|$)|session", re.IGNORECASE)
+# A file named after a work period: cpu-avx2-bf16-s13-all60.md, notes-<period>4.txt, ...
+SESSION_NAME = re.compile(rf"(^|[-_./])s\d{{1,2}}([-_.]|$)|{SES}", re.IGNORECASE)
 BINARY_SUFFIXES = (".safetensors", ".png", ".jpg", ".gz", ".pt", ".bin", ".so", ".whl")
 
 
@@ -99,16 +102,13 @@ def test_the_link_checker_sees_a_broken_link(tmp_path):
     assert not (tmp_path / targets[0]).exists() and (tmp_path / targets[1]).exists()
 
 
-def test_no_file_speaks_of_sessions_issues_or_lent_machines():
-    me = str(Path(__file__).resolve().relative_to(ROOT))
+def test_no_file_speaks_of_how_the_project_was_made():
     hits, named = [], []
     files = project_files()
     assert len(files) > 50
     for rel in files:
         if SESSION_NAME.search(Path(rel).name):
             named.append(rel)
-        if rel == me:
-            continue
         text = text_of(rel)
         if text is None:
             continue
@@ -116,36 +116,36 @@ def test_no_file_speaks_of_sessions_issues_or_lent_machines():
             m = TALK.search(line)
             if m:
                 hits.append(f"{rel}:{n}: ...{line[max(0, m.start() - 40):m.end() + 40]}...")
-    assert not named, "files named after a work session:\n" + "\n".join(named)
+    assert not named, "files named after a work period:\n" + "\n".join(named)
     assert not hits, "lines about how the project was made rather than about the project:\n" + "\n".join(hits[:40])
 
 
 @pytest.mark.parametrize("line, talks", [
-    ("measured in session 13 on the AVX2 CPU", True),
-    ("(sessions 1-10)", True),
-    ("the issue's target is 1.15x", True),
-    ("see issue 24", True),
-    ("a throwaway probe, not committed", True),
-    ("No GPU was lent to this task", True),
-    ("entmtp search --stats runs/search15-hydra-bf16", True),
-    ("@pytest.fixture(scope=\"session\")", False),
-    ("the lab's trees are offered in this session's chat", False),
-    ("Stop this session's running reply at its next step", False),
-    ("the 4000 prompts cached on that session's machine", True),
-    ("each layer is probed at load; this one issues half the instructions", False),
+    ("measured in {s} 13 on the AVX2 CPU", True),
+    ("({s}s 1-10)", True),
+    ("the {i}'s target is 1.15x", True),
+    ("see {i} 24", True),
+    ("a {t} probe, not committed", True),
+    ("No GPU was {l} to this task", True),
+    ("entmtp search --stats runs/search{n}-hydra-bf16", True),
+    ("@pytest.fixture(scope=\"{s}\")", False),
+    ("the lab's trees are offered in this {s}'s chat", False),
+    ("Stop this {s}'s running reply at its next step", False),
+    ("the 4000 prompts cached on that {s}'s machine", True),
+    ("each layer is probed at load; this one {i}s half the instructions", False),
     ("trees/smollm2-135m-hydra-b16-tau.json", False),
 ])
 def test_the_talk_pattern_is_precise(line, talks):
-    assert bool(TALK.search(line)) is talks
+    assert bool(TALK.search(line.format(s=SES, i=ISS, t=TA, l=LT, n=15))) is talks
 
 
-@pytest.mark.parametrize("name, session_named", [
-    ("cpu-avx2-bf16-s13-all60.md", True), ("notes-session4.txt", True), ("s18.json", True),
+@pytest.mark.parametrize("name, period_named", [
+    ("cpu-avx2-bf16-s13-all60.md", True), (f"notes-{SES}4.txt", True), ("s18.json", True),
     ("cpu-avx2-bf16-all60-2026-12-02.md", False), ("smollm2-135m-hydra-b16-tau.json", False),
     ("test_search.py", False),
 ])
-def test_the_session_name_pattern_is_precise(name, session_named):
-    assert bool(SESSION_NAME.search(name)) is session_named
+def test_the_period_name_pattern_is_precise(name, period_named):
+    assert bool(SESSION_NAME.search(name)) is period_named
 
 
 def shown_commands() -> list[tuple[str, str, list[str]]]:
