@@ -28,7 +28,7 @@ TALK = re.compile(
     r"|runs/(search|probe|bench|b)1\d",
     re.IGNORECASE)
 # A file named after a work period: cpu-avx2-bf16-s13-all60.md, notes-<period>4.txt, ...
-SESSION_NAME = re.compile(rf"(^|[-_./])s\d{{1,2}}([-_.]|$)|{SES}", re.IGNORECASE)
+PERIOD_NAME = re.compile(rf"(^|[-_./])s\d{{1,2}}([-_.]|$)|{SES}", re.IGNORECASE)
 BINARY_SUFFIXES = (".safetensors", ".png", ".jpg", ".gz", ".pt", ".bin", ".so", ".whl")
 
 
@@ -107,7 +107,7 @@ def test_no_file_speaks_of_how_the_project_was_made():
     files = project_files()
     assert len(files) > 50
     for rel in files:
-        if SESSION_NAME.search(Path(rel).name):
+        if PERIOD_NAME.search(Path(rel).name):
             named.append(rel)
         text = text_of(rel)
         if text is None:
@@ -145,7 +145,7 @@ def test_the_talk_pattern_is_precise(line, talks):
     ("test_search.py", False),
 ])
 def test_the_period_name_pattern_is_precise(name, period_named):
-    assert bool(SESSION_NAME.search(name)) is period_named
+    assert bool(PERIOD_NAME.search(name)) is period_named
 
 
 def shown_commands() -> list[tuple[str, str, list[str]]]:
