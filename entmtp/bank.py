@@ -11,7 +11,6 @@ resulting ratio, repeat) reaches the exact optimum over per-bucket choices in a 
 
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Optional, Sequence
 
@@ -153,17 +152,11 @@ def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int 
 
 
 def bank_cells(bank: EntropyBucketScheduler, stats) -> np.ndarray:
-    """Each record's cell of `bank` (row-major over root x draft buckets), as `choose` picks it:
-    an unknown (nan) signal takes the middle bucket. -> [R] int"""
+    """Each record's cell of `bank` (row-major over root x draft buckets), as its `choose` picks
+    the bucket (`EntropyBucketScheduler.bucket`). -> [R] int"""
     n_d = len(bank.draft_edges) + 1 if bank.draft_edges is not None else 1
-    out = []
-    for r in stats.records:
-        i = len(bank.edges) // 2 if math.isnan(r.root_entropy) else bisect.bisect_right(bank.edges, r.root_entropy)
-        j = 0
-        if bank.draft_edges is not None:
-            j = len(bank.draft_edges) // 2 if math.isnan(r.draft_entropy) else bisect.bisect_right(bank.draft_edges, r.draft_entropy)
-        out.append(i * n_d + j)
-    return np.array(out, dtype=int)
+    cells = [bank.bucket(r.root_entropy, r.draft_entropy) for r in stats.records]
+    return np.array([i * n_d + (j or 0) for i, j in cells], dtype=int)
 
 
 def compare_on(stats, bank: EntropyBucketScheduler, static: Tree, latency) -> tuple[float, float]:

@@ -142,8 +142,7 @@ def _build_panels() -> Optional[str]:
 
     # one name per source (its hash), so torch's builder never renames a rebuilt library and a
     # process never loads two libraries registering the same ops
-    source = PANELS_SOURCE.read_bytes() if PANELS_SOURCE.is_file() else b""
-    name = f"entmtp_bf16_panels_{hashlib.sha256(source).hexdigest()[:10]}"
+    name = f"entmtp_bf16_panels_{_source_hash()[:10]}"
     build = cache_dir() / "kernels" / f"{name}-torch-{torch.__version__}"
     try:
         build.mkdir(parents=True, exist_ok=True)
@@ -218,14 +217,15 @@ def pack_panels(weight: torch.Tensor, layout: Optional[str] = None, fp32_input: 
 
 
 @functools.lru_cache(maxsize=None)
-def _source_id() -> str:
-    return hashlib.sha256(PANELS_SOURCE.read_bytes() if PANELS_SOURCE.is_file() else b"").hexdigest()[:8]
+def _source_hash() -> str:
+    """sha256 of the kernel library's source (names its build and the measurements taken with it)."""
+    return hashlib.sha256(PANELS_SOURCE.read_bytes() if PANELS_SOURCE.is_file() else b"").hexdigest()
 
 
 def library_id() -> str:
     """Names the version of entmtp's kernel library as dispatched here (its source and panel layout):
     measurements of its speed are only valid for the library they were taken with."""
-    return f"k{_source_id()}-{panel_layout()}"
+    return f"k{_source_hash()[:8]}-{panel_layout()}"
 
 
 def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]:

@@ -190,17 +190,18 @@ class EntropyBucketScheduler(Scheduler):
     def trees(self) -> list[Tree]:
         return list(self.bank.values())
 
+    def bucket(self, root_entropy: float, draft_entropy: float = math.nan) -> tuple[int, Optional[int]]:
+        """(root bucket, draft bucket or None without draft edges); an unknown (nan) signal takes
+        the middle bucket."""
+        i = len(self.edges) // 2 if math.isnan(root_entropy) else bisect.bisect_right(self.edges, root_entropy)
+        if self.draft_edges is None:
+            return i, None
+        d = draft_entropy
+        return i, len(self.draft_edges) // 2 if math.isnan(d) else bisect.bisect_right(self.draft_edges, d)
+
     def choose(self, s: StepSignals) -> Decision:
-        e = s.root_entropy
-        i = len(self.edges) // 2 if math.isnan(e) else bisect.bisect_right(self.edges, e)
-        row = self.table[i]
-        j = None
-        if self.draft_edges is not None:
-            d = s.draft_entropy
-            j = len(self.draft_edges) // 2 if math.isnan(d) else bisect.bisect_right(self.draft_edges, d)
-            name = row[j]
-        else:
-            name = row
+        i, j = self.bucket(s.root_entropy, s.draft_entropy)
+        name = self.table[i] if j is None else self.table[i][j]
         reason = {"bucket": i if j is None else [i, j], "tree": name}
         return Decision(self.bank[name], reason)
 
