@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .data import PromptSet, bundled_prompts, load_prompts, render_prompt
-from .hardware import hardware_class
+from .hardware import hardware_class, synchronize
 from .methods import HYDRA_FAMILY, METHODS, Runner, make_runner, method_heads, method_lookup, parse_methods
 from .models import describe_model
 from .scheduler import recorded_default
@@ -95,11 +95,6 @@ def make_runners(engine, cfg: BenchConfig) -> dict[str, Runner]:
             for m in cfg.methods}
 
 
-def _sync(engine):
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-
-
 def recorded_trees(engine, methods: Sequence[str]) -> dict:
     """Per heads used: the tree and bank files their checkpoint records for this dtype and hardware
     class (what a method decodes with unless --tree / --bank override it)."""
@@ -121,10 +116,10 @@ def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[st
         order = methods[i % len(methods):] + methods[: i % len(methods)]
         for rep in range(cfg.repeats):
             for m in order:
-                _sync(engine)
+                synchronize(engine.device)
                 t0 = time.perf_counter()
                 o = runners[m](ids)
-                _sync(engine)
+                synchronize(engine.device)
                 dt = time.perf_counter() - t0
                 runs.append(Run(pid, cat, m, rep, len(o.tokens), dt, o.forwards, o.tokens, o.bookkeeping_s, o.step_s))
         if progress:

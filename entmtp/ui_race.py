@@ -16,6 +16,7 @@ from typing import Optional
 import gradio as gr
 
 from . import viz
+from .hardware import synchronize
 from .ui_common import (CACHE, MAX_MESSAGE_CHARS, RACE_MAX_NEW_TOKENS, AppError, _error_md, _notice_md,
                         check_model_key, error_message, method_status, registry)
 
@@ -25,19 +26,12 @@ RACE_HEADERS = ["method", "new tokens", "tok/s (median run)", "tok/s range", "τ
                 "= generate", "= our loop"]
 
 
-def _sync(engine) -> None:
-    import torch
-
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-
-
 def timed(runner, ids: list[int]) -> tuple[object, float]:
     """(output, seconds) of one run: nothing but the run between the two clock reads."""
-    _sync(runner.engine)
+    synchronize(runner.engine.device)
     t0 = time.perf_counter()
     out = runner(ids)
-    _sync(runner.engine)
+    synchronize(runner.engine.device)
     return out, time.perf_counter() - t0
 
 
