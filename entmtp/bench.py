@@ -103,10 +103,12 @@ def recorded_trees(engine, methods: Sequence[str]) -> dict:
             for h in used}
 
 
-def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[str], None]] = None) -> list[Run]:
-    """Every method on every prompt, `cfg.repeats` times, interleaved, after a warm-up."""
+def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[str], None]] = None,
+              runners: Optional[dict[str, Runner]] = None) -> list[Run]:
+    """Every method on every prompt, `cfg.repeats` times, interleaved, after a warm-up.
+    runners: `make_runners(engine, cfg)` when the caller already has them."""
     methods = list(cfg.methods)
-    runners = make_runners(engine, cfg)
+    runners = runners or make_runners(engine, cfg)
     rendered = [(p.id, p.category or "all", render_prompt(p, engine.tokenizer)) for p in prompts]
     # Warm-up: every method once on the first prompt (first-touch memory, lazy inits).
     for m in methods:
@@ -362,8 +364,11 @@ def load_bench_prompts(cfg: BenchConfig) -> tuple[PromptSet, list]:
     return ps, prompts
 
 
-def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: str) -> dict:
-    """What ran where: model, dtype, machine, kernels, lookup and trees per method."""
+def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: str,
+               runners: Optional[dict[str, Runner]] = None) -> dict:
+    """What ran where: model, dtype, machine, kernels, lookup and trees per method (`runners`: the
+    ones that ran, else made again)."""
+    runners = runners or make_runners(engine, cfg)
     ours = [m for m in cfg.methods if METHODS[m].ours]
     looks = {m: method_lookup(m, engine, method_heads(m, engine=engine), lookup=cfg.lookup, min_ngram=cfg.lookup_min_ngram)
              for m in ours}
@@ -380,7 +385,7 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
             "recorded_trees": recorded_trees(engine, cfg.methods),
             # what each method ran: its heads and the tree or scheduler (tuned on this machine unless overridden)
             "decoded_with": {m: (f"{r.label} ({r.heads} heads)" if r.heads else r.label)
-                             for m, r in make_runners(engine, cfg).items()},
+                             for m, r in runners.items()},
             "overrides": {"tree": cfg.tree, "bank": cfg.bank}}
 
 

@@ -451,9 +451,11 @@ def cmd_bench(args) -> int:
     engine = load_engine_for(model_options(args), cfg.methods)
     command = _command("bench")
     _say(f"# {command}")
-    runs = bench.run_bench(engine, prompts, cfg, progress=lambda s: print(s, file=sys.stderr, end="\r"))
+    runners = bench.make_runners(engine, cfg)
+    runs = bench.run_bench(engine, prompts, cfg, progress=lambda s: print(s, file=sys.stderr, end="\r"), runners=runners)
     summary = bench.summarize(runs, list(cfg.methods))
-    bench.write_reports(Path(args.out), runs, summary, list(cfg.methods), bench.bench_meta(engine, cfg, ps, prompts, command))
+    bench.write_reports(Path(args.out), runs, summary, list(cfg.methods),
+                        bench.bench_meta(engine, cfg, ps, prompts, command, runners))
     print(file=sys.stderr)
     print(bench.terminal_report(summary, cfg.methods))
     print(f"reports: {args.out}/summary.json, runs.csv, report.md, report.html")
