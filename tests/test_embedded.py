@@ -98,12 +98,18 @@ def test_accept_by_depth_script_reports_a_consistent_survival_table():
 
 def test_compare_lookup_script_measures_variants_losslessly():
     """scripts/compare_lookup.py: one row per variant, every output equal to the first variant's
-    (greedy lookup is lossless), no lookup rows without lookup; a bad variant is refused."""
+    (greedy lookup is lossless), no lookup rows without lookup; a bad variant is refused. In bf16
+    where entmtp's row-invariant panels run; elsewhere (kernels off, or a CPU without them) bf16
+    tree rows are not bitwise one-row steps, so in float32."""
     from pathlib import Path
+
+    from entmtp.kernels import kernel_options
 
     root = Path(__file__).resolve().parents[1]
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(root / "scripts" / "compare_lookup.py"), "--n", "2", "--max-new-tokens", "24"]
+    dtype = "bfloat16" if kernel_options(torch.bfloat16)["panels"] is None else "float32"
+    cmd = [sys.executable, str(root / "scripts" / "compare_lookup.py"), "--n", "2", "--max-new-tokens", "24",
+           "--dtype", dtype]
     p = subprocess.run(cmd + ["--variants", "0,4:1,4:2"], capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert p.returncode == 0, p.stderr
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in p.stdout.splitlines()
