@@ -130,3 +130,60 @@ def test_generated_source_alone(builder, monkeypatch):
     assert counts == {"generated": 500}
     assert len({r["messages"][0]["content"] for r in rows}) == 500
     assert len({r["category"] for r in rows}) >= 8
+
+
+def load_chat_builder():
+    spec = importlib.util.spec_from_file_location("build_chat_prompts", ROOT / "scripts" / "build_chat_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chat_builder():
+    module = load_chat_builder()
+    if not module.chitchat_conversations() or not module.chatterbot_conversations():
+        pytest.skip("chitchat-dataset / chatterbot-corpus not installed (requirements-dev.txt)")
+    return module
+
+
+def roles_alternate_to_a_user_turn(messages) -> bool:
+    roles = [m["role"] for m in messages]
+    return roles[-1] == "user" and all(a != b for a, b in zip(roles, roles[1:]))
+
+
+def test_heldout_chat_set_is_rebuilt_exactly(chat_builder, tmp_path):
+    committed = ROOT / "entmtp" / "prompts" / "heldout_chat.jsonl"
+    out = tmp_path / "heldout.jsonl"
+    assert chat_builder.main(["heldout", "--out", str(out)]) == 0
+    assert out.read_bytes() == committed.read_bytes()
+    ps = load_prompts(committed)
+    assert ps.skipped == [] and len(ps) == 36
+    rows = [json.loads(line) for line in committed.read_text(encoding="utf-8").splitlines()]
+    assert Counter(r["source"] for r in rows) == {"written": 14, "chitchat": 12, "chatterbot": 10}
+    assert len({json.dumps(r["messages"]) for r in rows}) == 36
+    assert sum(len(r["messages"]) > 1 for r in rows) >= 4  # multi-turn context is part of what is measured
+    assert sum(r["category"].startswith("non-english") for r in rows) >= 5
+    assert all(roles_alternate_to_a_user_turn(r["messages"]) for r in rows)
+
+
+def test_chat_training_prompts_come_only_from_training_conversations(chat_builder, tmp_path):
+    out = tmp_path / "train.jsonl"
+    assert chat_builder.main(["train", "--out", str(out), "--n", "400", "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 400 and all(roles_alternate_to_a_user_turn(r["messages"]) for r in rows)
+    assert {r["source"] for r in rows} == {"chitchat", "chatterbot", "generated"}
+    # every chitchat prompt is a run of turns of a conversation outside the held-out bucket
+    runs_by_bucket: dict[bool, set] = {True: set(), False: set()}
+    for key, turns in chat_builder.chitchat_conversations():
+        held = chat_builder.bucket(key) == 0
+        for i in range(len(turns)):
+            for j in range(i + 1, min(i + 5, len(turns)) + 1):
+                runs_by_bucket[held].add(tuple(turns[i:j]))
+    chit = [tuple(m["content"] for m in r["messages"]) for r in rows if r["source"] == "chitchat"]
+    assert len(chit) == 140
+    assert all(c in runs_by_bucket[False] for c in chit)
+    # and none of the evaluation set is trained on
+    heldout = {json.dumps(r["messages"]) for r in map(json.loads, (ROOT / "entmtp" / "prompts" / "heldout_chat.jsonl")
+                                                       .read_text(encoding="utf-8").splitlines())}
+    assert not heldout & {json.dumps(r["messages"]) for r in rows}

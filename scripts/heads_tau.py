@@ -1,0 +1,102 @@
+"""Tau of each head kind on real-conversation prompts beside the calibration distribution.
+
+    python scripts/heads_tau.py                         # the shipped heads
+    python scripts/heads_tau.py --heads-root runs/heads-v7 --kinds hydra,hydra++
+
+Greedy decoding, bfloat16, the papers' 63-node tree (`mc_sim_7b_63`) for every kind so that tree
+size does not hide head quality, no prompt lookup; tau = tokens per base forward, the bonus token
+included. Two prompt sets:
+
+* held-out: `entmtp/prompts/heldout_chat.jsonl`, real-conversation prompts no heads were trained
+  on (built by `scripts/build_chat_prompts.py heldout`; sources and licences there);
+* calibration: the first prompts of `runs/calib_prompts.jsonl`, the distribution the trees were
+  searched on (`scripts/reproduce_embedded.sh` step 1 builds it).
+
+Prints one markdown row per kind: tau on each set, the gap, and whether every output equals our
+plain loop's (speculation is lossless). Run under the project's environment (`bash run.sh install`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import entmtp  # noqa: E402,F401  (sets the OpenMP wait policy before torch loads)
+from entmtp.data import load_prompts, render_prompt  # noqa: E402
+from entmtp.methods import make_runner  # noqa: E402
+from entmtp.models import load_engine  # noqa: E402
+from entmtp.paths import DEFAULT_HEADS_DIR, HEAD_KINDS  # noqa: E402
+
+# Spec-Bench (Medusa, Hydra) and the Hydra paper (Hydra++), Vicuna-7B, greedy
+PAPERS = {"medusa": "2.31", "hydra": "3.26", "hydra++": "3.70"}
+
+
+def tau_on(engine, method: str, prompts: list, args) -> tuple[list[float], list[list[int]]]:
+    runner = make_runner(engine, method, args.max_new_tokens, tree=args.tree if method != "baseline" else None,
+                         lookup=0, progress=None)
+    taus, outs = [], []
+    for p in prompts:
+        o = runner(render_prompt(p, engine.tokenizer))
+        taus.append(len(o.tokens) / o.forwards if o.forwards else 0.0)
+        outs.append(list(o.tokens))
+    return taus, outs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads-root", type=Path, default=DEFAULT_HEADS_DIR,
+                    help="directory of smollm2-135m-<kind> heads (default: the shipped ones)")
+    ap.add_argument("--kinds", default="medusa,hydra,hydra++")
+    ap.add_argument("--heldout", type=Path, default=ROOT / "entmtp" / "prompts" / "heldout_chat.jsonl")
+    ap.add_argument("--calib", type=Path, default=ROOT / "runs" / "calib_prompts.jsonl")
+    ap.add_argument("--n-calib", type=int, default=36, help="first N calibration prompts")
+    ap.add_argument("--tree", default="mc_sim_7b_63")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in HEAD_KINDS]
+    if unknown:
+        ap.error(f"unknown head kind {unknown[0]!r}; use {', '.join(HEAD_KINDS)}")
+    missing = [k for k in kinds if not (args.heads_root / HEAD_KINDS[k]).is_dir()]
+    if missing:
+        ap.error(f"no {missing[0]} heads under {args.heads_root} (expected {args.heads_root / HEAD_KINDS[missing[0]]})")
+    sets = {"held-out": args.heldout, "calibration": args.calib}
+    for name, path in sets.items():
+        if not path.is_file():
+            ap.error(f"{name} prompts not found: {path}")
+    prompts = {"held-out": load_prompts(args.heldout).prompts, "calibration": load_prompts(args.calib).prompts[:args.n_calib]}
+
+    engine = load_engine("default", {k: str(args.heads_root / HEAD_KINDS[k]) for k in kinds}, dtype=args.dtype,
+                         progress=None)
+    t0 = time.perf_counter()
+    plain = {s: tau_on(engine, "baseline", ps, args)[1] for s, ps in prompts.items()}
+    rows = []
+    for k in kinds:
+        cells, same = {}, True
+        for s, ps in prompts.items():
+            taus, outs = tau_on(engine, k, ps, args)
+            cells[s] = statistics.mean(taus)
+            same &= outs == plain[s]
+        rows.append((k, cells, same))
+    print(f"heads: {args.heads_root}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
+          f"no lookup; held-out {len(prompts['held-out'])} prompts ({args.heldout.name}), calibration "
+          f"{len(prompts['calibration'])} ({args.calib.name}); {time.perf_counter() - t0:.0f} s\n")
+    print("| heads | tau held-out | tau calibration | gap | identical to plain loop | papers, Vicuna-7B |")
+    print("|---|---:|---:|---:|---|---:|")
+    for k, c, same in rows:
+        gap = c["held-out"] / c["calibration"] - 1.0
+        print(f"| {k} | {c['held-out']:.2f} | {c['calibration']:.2f} | {gap:+.0%} | {'yes' if same else 'NO'} | "
+              f"{PAPERS.get(k, '–')} |")
+    return 0 if all(same for *_, same in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
