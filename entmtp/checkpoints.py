@@ -4,7 +4,9 @@ Our format, a directory:
 * ``config.json``  -- `HeadsConfig` fields (``"format": "entmtp-heads/1"``) plus ``meta``
   (training recipe, metrics, provenance).
 * ``heads.safetensors`` -- the heads' own weights only. A shared base ``lm_head`` and the
-  base embedding are never stored.
+  base embedding are never stored. Weights are float32, bfloat16, or (``save_heads(dtype="int8")``)
+  large matrices as int8 with one float scale per output row (``<name>`` + ``<name>.row_scale``):
+  half the bytes of bfloat16, dequantized when loaded.
 
 Loading is strict: unknown, missing or mis-shaped keys raise `CheckpointError`, whose
 one-line message names them.
@@ -35,15 +37,53 @@ def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+ROW_SCALE = ".row_scale"  # suffix of an int8 matrix's per-row scales
+INT8_MIN_NUMEL = 1 << 16  # smaller tensors (norms, biases, small matrices) stay bfloat16
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] float -> (q [rows, cols] int8, scale [rows] float32), w ~= q * scale[:, None]
+    (symmetric, round to nearest)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Undo `quantize_rows` for every ``<name>`` that has a ``<name>.row_scale``."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(ROW_SCALE):
+            continue
+        scale = state.get(k + ROW_SCALE)
+        out[k] = v.float() * scale.float()[:, None] if scale is not None else v
+    return out
+
+
+def compact_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The int8 storage: matrices of >= INT8_MIN_NUMEL elements per-row int8, the rest bfloat16."""
+    out = {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.dim() == 2 and v.numel() >= INT8_MIN_NUMEL:
+            out[k], out[k + ROW_SCALE] = quantize_rows(v)
+        else:
+            out[k] = v.to(torch.bfloat16) if v.is_floating_point() else v
+    return out
+
+
 def save_heads(heads: DraftHeads, directory: str | Path, meta: Optional[dict[str, Any]] = None,
-               dtype: Optional[torch.dtype] = None) -> Path:
-    """Write `heads` in our format; returns the directory."""
+               dtype: Optional[torch.dtype | str] = None) -> Path:
+    """Write `heads` in our format; returns the directory. dtype: None (as they are), a float
+    dtype, or "int8" (large matrices per-row int8, see `compact_state`)."""
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = _unique_state(heads)
-    if dtype is not None:
+    if dtype == "int8":
+        state = compact_state(state)
+    elif dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     tmp = d / (WEIGHTS_FILE + ".tmp")
     save_file(state, str(tmp), metadata={"format": "entmtp-heads/1"})
@@ -102,6 +142,10 @@ def _load_ours(d: Path, raw: dict) -> DraftHeads:
         state = load_file(str(d / WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{d / WEIGHTS_FILE}: unreadable safetensors file ({e})") from None
+    orphans = [k for k in state if k.endswith(ROW_SCALE) and k[:-len(ROW_SCALE)] not in state]
+    if orphans:
+        raise CheckpointError(f"{d / WEIGHTS_FILE}: row scales without their matrix: {name_list(orphans)}")
+    state = dequantize_rows(state)
     heads = DraftHeads(cfg)
     load_state_strict(heads, state, str(d / WEIGHTS_FILE))
     heads.meta = raw.get("meta", {})
@@ -109,4 +153,5 @@ def _load_ours(d: Path, raw: dict) -> DraftHeads:
     return heads.eval()
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "CheckpointError", "save_heads", "load_heads", "read_config"]
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "CheckpointError", "save_heads", "load_heads", "read_config", "quantize_rows",
+           "dequantize_rows", "compact_state"]

@@ -248,7 +248,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="runs/heads", help="output directory for the trained heads and the report")
     g.add_argument("--name", default=None,
                    help="checkpoint name prefix (default: smollm2-135m for the default model, else the model dir name)")
-    g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="weights of the exported heads; int8: large matrices per-row int8 (half of bfloat16)")
 
 
 def train_config(args) -> train.TrainConfig:

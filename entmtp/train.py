@@ -1509,7 +1509,7 @@ def run_training(args: TrainConfig) -> TrainResult:
                "features_s": round(feat_info.get("seconds", 0.0), 1)}
     out_dirs: dict[str, Path] = {}
     kinds_report: dict[str, Any] = {}
-    save_dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else None
+    save_dtype = {"bfloat16": torch.bfloat16, "int8": "int8"}.get(args.save_dtype)
     for kind in kinds:
         suffix = KINDS[kind][2]
         h = core.heads[suffix]

@@ -317,6 +317,45 @@ def test_our_format_round_trip(tmp_path, name, kw):
             assert torch.equal(a, b)
 
 
+def test_int8_storage_halves_the_file_and_keeps_the_drafts(tmp_path):
+    h = 128  # the last heads' input matrices ([128, 128 * (k + 1)]) are large enough for int8
+    cfg = HeadsConfig(hidden_size=h, vocab_size=V, kind="hydra", num_heads=4)
+    heads = random_heads(cfg)
+    half = save_heads(heads, tmp_path / "bf16", dtype=torch.bfloat16) / "heads.safetensors"
+    small = save_heads(heads, tmp_path / "int8", dtype="int8") / "heads.safetensors"
+    assert small.stat().st_size < 0.7 * half.stat().st_size
+    from safetensors import safe_open
+    with safe_open(str(small), "pt") as f:
+        int8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "I8"]
+        assert int8 and all(k + ".row_scale" in f.keys() for k in int8)
+    back = load_heads(small.parent)
+    for k, a in heads.state_dict().items():
+        b = back.state_dict()[k]
+        if k in int8:  # within half a step of its row's scale
+            step = a.abs().amax(dim=1, keepdim=True) / 127
+            assert ((a - b).abs() <= 0.5 * step + 1e-7).all(), k
+            assert not torch.equal(a, b)
+        else:
+            assert torch.equal(b, a.to(torch.bfloat16).float()), k
+    embed = randomize(nn.Embedding(V, h))
+    lm = torch.randn(V, h)
+    hidden, ids = inputs(h=h)
+    with torch.no_grad():
+        for a, b in zip(heads.training_logits(hidden, ids, embed, lm), back.training_logits(hidden, ids, embed, lm)):
+            assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def test_error_row_scale_without_matrix(tmp_path):
+    from safetensors.torch import load_file, save_file
+    cfg = HeadsConfig(hidden_size=128, vocab_size=V, kind="hydra", num_heads=4)
+    d = save_heads(random_heads(cfg), tmp_path / "int8", dtype="int8")
+    state = load_file(str(d / "heads.safetensors"))
+    scaled = next(k for k in state if k.endswith(".row_scale"))
+    state["nothing.here.row_scale"] = state[scaled].clone()
+    save_file(state, str(d / "heads.safetensors"), metadata={"format": "entmtp-heads/1"})
+    one_line_error(d, "row scales without their matrix: nothing.here.row_scale")
+
+
 # ----------------------------------------------------------------- one-line errors
 
 
