@@ -38,8 +38,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_train_prompts import (HELD_OUT_FILES, generated_prompts, load_held_out,  # noqa: E402
-                                 normalize, package_dir)
+from build_train_prompts import (HELD_OUT_FILES, chitchat_data, generated_prompts,  # noqa: E402
+                                 load_held_out, normalize, package_dir)
 
 HELDOUT_BUCKETS = 8  # bucket 0 of sha256(conversation key) is the evaluation pool
 TRAIN_SHARE = {"chitchat": 0.35, "chatterbot": 0.15}  # of --n; generated prompts fill the rest
@@ -87,11 +87,7 @@ def words(turns: list[str]) -> int:
 
 def chitchat_conversations() -> list[tuple[str, list[str]]]:
     """(key, turns): each conversation's turns, consecutive messages of one sender joined."""
-    directory = package_dir("chitchat_dataset")
-    if directory is None or not (directory / "dataset.json").is_file():
-        print("note: chitchat-dataset is not installed; skipping it (pip install chitchat-dataset)")
-        return []
-    data = json.loads((directory / "dataset.json").read_text(encoding="utf-8"))
+    data = chitchat_data()
     out = []
     for key in sorted(data):
         turns = []

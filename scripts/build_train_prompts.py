@@ -128,12 +128,17 @@ def chatterbot_prompts() -> list[tuple[str, str]]:
     return out
 
 
-def chitchat_prompts() -> list[tuple[str, str]]:
+def chitchat_data() -> dict:
+    """chitchat-dataset's conversations by id ({} with a note when it is not installed)."""
     directory = package_dir("chitchat_dataset")
     if directory is None or not (directory / "dataset.json").is_file():
         print("note: chitchat-dataset is not installed; skipping it (pip install chitchat-dataset)")
-        return []
-    data = json.loads((directory / "dataset.json").read_text(encoding="utf-8"))
+        return {}
+    return json.loads((directory / "dataset.json").read_text(encoding="utf-8"))
+
+
+def chitchat_prompts() -> list[tuple[str, str]]:
+    data = chitchat_data()
     out = []
     for conversation in data.values():
         turns = conversation.get("messages") or []
