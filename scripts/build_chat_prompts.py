@@ -64,6 +64,46 @@ HELDOUT_WRITTEN = [
     ("roleplay", "Pretend you are a pirate captain and tell me about your latest adventure."),
     ("roleplay", "Let's play a game: you are a librarian and I am looking for a good mystery novel."),
     ("explain", "explain like I'm five: why is the sky blue?"),
+    ("code", "I get 'TypeError: unsupported operand type(s) for +: 'int' and 'str'' in my Python script when I do "
+             "total = total + line. The lines come from a file. How do I fix it?"),
+    ("code", "Write a Python function that takes a list of dictionaries with 'name' and 'age' keys and returns "
+             "the names of everyone older than 30, sorted alphabetically."),
+    ("code", "what's the difference between git merge and git rebase? when should I use each"),
+    ("code", "Convert this to JSON please: name Anna, age 29, languages English and Spanish, city Madrid"),
+    ("math", "A train leaves at 3:45 pm and the trip takes 2 hours 50 minutes. When does it arrive?"),
+    ("math", "Is 221 a prime number? Explain how you check."),
+    ("writing", "Write a four-line poem about Monday mornings and coffee."),
+    ("writing", "I need a cover letter opening paragraph for a junior data analyst job. I just finished a "
+                "statistics degree and did an internship at a bank."),
+    ("writing", "Give me an outline for a 5-paragraph essay on whether homework should be banned."),
+    ("summarize", "Summarize this in one sentence: The city council voted on Tuesday to extend the bike lane "
+                  "network by 40 kilometres over the next three years. Supporters said it would cut traffic and "
+                  "pollution, while some shop owners worried about losing parking spaces in front of their stores."),
+    ("advice", "How can I get better sleep? I usually go to bed at 1am and wake up tired."),
+    ("advice", "I'm 25 and want to start investing but I know nothing about it. Where do I begin?"),
+    ("advice", "my best friend forgot my birthday and i feel hurt. should i say something or let it go?"),
+    ("planning", "Plan a 3-day trip to Rome for someone who loves food and history, on a budget."),
+    ("planning", "Can you make me a simple weekly meal plan for a vegetarian who doesn't like cooking much?"),
+    ("knowledge", "Why did the Roman Empire fall? Give me the main reasons."),
+    ("knowledge", "How does a vaccine train the immune system?"),
+    ("brainstorm", "I'm bored on a Saturday with no money. Give me ideas."),
+    ("brainstorm", "What are some good names for a golden retriever puppy?"),
+    ("translation", "How do you say 'where is the train station, please?' in French and German?"),
+    ("roleplay", "You are a strict but kind fitness coach. I just told you I skipped the gym all week. Respond."),
+    ("comparison", "iPhone or Android for my mom who is 70 and not very good with technology?"),
+]
+# Two-turn requests: a follow-up after an earlier exchange (the earlier answer written for this project).
+HELDOUT_WRITTEN_FOLLOWUPS = [
+    ("followup", ["What is a good beginner houseplant?",
+                  "A pothos is a great choice: it tolerates low light, needs water only when the top of the soil "
+                  "is dry, and grows quickly.",
+                  "How often should I water it in winter?"]),
+    ("followup", ["Write a haiku about the ocean.",
+                  "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time.",
+                  "Nice! Now one about the mountains."]),
+    ("followup", ["What does HTTP 404 mean?",
+                  "HTTP 404 means Not Found: the server was reached, but it has nothing at the requested address.",
+                  "and what about 500?"]),
 ]
 
 
@@ -202,7 +242,8 @@ def build_heldout(per_source: dict[str, int], seed: int, held_out) -> list[dict]
     chatterbot share spread over languages (English at most a third)."""
     rng = random.Random(seed)
     pools = conversation_prompts("heldout", rng, held_out)
-    rows = [row("written", i + 1, c, [t]) for i, (c, t) in enumerate(HELDOUT_WRITTEN)]
+    written = [(c, [t]) for c, t in HELDOUT_WRITTEN] + HELDOUT_WRITTEN_FOLLOWUPS
+    rows = [row("written", i + 1, c, t) for i, (c, t) in enumerate(written)]
     chit = pools["chitchat"]
     rng.shuffle(chit)
     rows += [row("chitchat", i + 1, c, t) for i, (c, t) in enumerate(chit[:per_source["chitchat"]])]
@@ -225,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output JSONL file")
     parser.add_argument("--n", type=int, default=4000, help="train: number of prompts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chitchat", type=int, default=12, help="heldout: chitchat conversations")
-    parser.add_argument("--chatterbot", type=int, default=10, help="heldout: chatterbot dialogues")
+    parser.add_argument("--chitchat", type=int, default=8, help="heldout: chitchat conversations")
+    parser.add_argument("--chatterbot", type=int, default=9, help="heldout: chatterbot dialogues")
     parser.add_argument("--exclude", type=Path, action="append", default=[],
                         help="extra held-out prompt file (any load_prompts format); repeatable")
     args = parser.parse_args(argv)

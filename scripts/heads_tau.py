@@ -7,8 +7,9 @@ Greedy decoding, bfloat16, the papers' 63-node tree (`mc_sim_7b_63`) for every k
 size does not hide head quality, no prompt lookup; tau = tokens per base forward, the bonus token
 included. Two prompt sets:
 
-* held-out: `entmtp/prompts/heldout_chat.jsonl`, real-conversation prompts no heads were trained
-  on (built by `scripts/build_chat_prompts.py heldout`; sources and licences there);
+* held-out: `entmtp/prompts/heldout_chat.jsonl`, real-user-style prompts no heads were trained
+  on (built by `scripts/build_chat_prompts.py heldout`; sources and licences there), also shown
+  by source (written requests, chitchat conversations, chatterbot dialogues);
 * calibration: the first prompts of `runs/calib_prompts.jsonl`, the distribution the trees were
   searched on (`scripts/reproduce_embedded.sh` step 1 builds it).
 
@@ -78,13 +79,16 @@ def main(argv=None) -> int:
                          progress=None)
     t0 = time.perf_counter()
     plain = {s: tau_on(engine, "baseline", ps, args)[1] for s, ps in prompts.items()}
-    rows = []
+    rows, by_source = [], {}
     for k in kinds:
         cells, same = {}, True
         for s, ps in prompts.items():
             taus, outs = tau_on(engine, k, ps, args)
             cells[s] = statistics.mean(taus)
             same &= outs == plain[s]
+            if s == "held-out":
+                for p, t in zip(ps, taus):
+                    by_source.setdefault(p.id.split("-")[0], {}).setdefault(k, []).append(t)
         rows.append((k, cells, same))
     print(f"heads: {args.heads_root}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
           f"no lookup; held-out {len(prompts['held-out'])} prompts ({args.heldout.name}), calibration "
@@ -95,6 +99,9 @@ def main(argv=None) -> int:
         gap = c["held-out"] / c["calibration"] - 1.0
         print(f"| {k} | {c['held-out']:.2f} | {c['calibration']:.2f} | {gap:+.0%} | {'yes' if same else 'NO'} | "
               f"{PAPERS.get(k, '–')} |")
+    print("\nheld-out tau by source (prompts): " + "; ".join(
+        f"{src} ({len(next(iter(per.values())))}): " + ", ".join(f"{k} {statistics.mean(v):.2f}" for k, v in per.items())
+        for src, per in by_source.items()))
     return 0 if all(same for *_, same in rows) else 1
 
 

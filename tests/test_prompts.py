@@ -158,10 +158,10 @@ def test_heldout_chat_set_is_rebuilt_exactly(chat_builder, tmp_path):
     assert chat_builder.main(["heldout", "--out", str(out)]) == 0
     assert out.read_bytes() == committed.read_bytes()
     ps = load_prompts(committed)
-    assert ps.skipped == [] and len(ps) == 36
+    assert ps.skipped == [] and len(ps) == 56
     rows = [json.loads(line) for line in committed.read_text(encoding="utf-8").splitlines()]
-    assert Counter(r["source"] for r in rows) == {"written": 14, "chitchat": 12, "chatterbot": 10}
-    assert len({json.dumps(r["messages"]) for r in rows}) == 36
+    assert Counter(r["source"] for r in rows) == {"written": 39, "chitchat": 8, "chatterbot": 9}
+    assert len({json.dumps(r["messages"]) for r in rows}) == 56
     assert sum(len(r["messages"]) > 1 for r in rows) >= 4  # multi-turn context is part of what is measured
     assert sum(r["category"].startswith("non-english") for r in rows) >= 5
     assert all(roles_alternate_to_a_user_turn(r["messages"]) for r in rows)
