@@ -20,7 +20,7 @@
 # Nothing in the working tree is moved or deleted. `bench` unpacks the parts, installs the carried
 # wheels into /tmp/site (no index), makes the GGUF findable as the embedded model, checks CUDA, runs
 # every method on a few prompts for 16 tokens, then runs `entmtp bench --device cuda` and writes the
-# log and the reports under $OUT (the device tool brings them back). Locally,
+# log and the reports under $OUT (what the remote run returns). Locally,
 # `bash scripts/gpu_bench.sh bench --device cpu` runs the same path on this machine (after `stage`;
 # GPU_PYTHON=.venv/bin/python), which is how the script is tested without a GPU. GPU_METHODS and
 # GPU_PER_CATEGORY change what the benchmark runs.
