@@ -90,10 +90,9 @@ def main(argv=None) -> int:
             taus, outs, steps = tau_on(engine, k, ps, args)
             cells[s] = statistics.mean(taus)
             same &= outs == plain[s]
-            if s == "held-out":  # draft cost and first-draft acceptance, held-out steps
+            if s == "held-out":  # draft cost, first-draft acceptance and tau by source, held-out only
                 cells["draft_ms"] = 1e3 * statistics.mean(st.time_draft for st in steps)
                 cells["first"] = statistics.mean(st.accept_length >= 1 for st in steps)
-            if s == "held-out":
                 for p, t in zip(ps, taus):
                     by_source.setdefault(p.id.split("-")[0], {}).setdefault(k, []).append(t)
         rows.append((k, cells, same))
