@@ -178,7 +178,10 @@ def test_stop_ends_the_reply_and_enables_replay(page):
     page.keyboard.press("Tab")
     page.fill("#msg textarea", "hello")
     page.click("#send")
-    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('stop: ')")
+    # this reply's own final stats (the stopped reply's also say "stop:"): until then its updates may
+    # still empty the message box under the next test's typing
+    page.wait_for_function("""() => { const s = document.querySelector('#stats')?.innerText || '';
+                                      return s.includes('stop: ') && !s.includes('stopped by you'); }""")
 
 
 def test_clear_cancels_the_running_reply(page):
