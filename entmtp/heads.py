@@ -616,6 +616,26 @@ class HeadRunner:
         return self._map(idx)
 
 
+def with_draft_vocab(heads: DraftHeads, vocab: Optional[torch.Tensor]) -> DraftHeads:
+    """The same heads scoring another set of token ids (vocab [n] long; None: the whole vocabulary).
+
+    Only for heads that share the base lm_head: their blocks output a hidden state, and the
+    vocabulary is just the lm_head rows it is scored against, so the weights carry over unchanged.
+    """
+    if not heads.config.shared_lm_head:
+        raise ValueError("only heads that share the base lm_head can change their draft vocabulary")
+    cfg = copy.deepcopy(heads.config)
+    cfg.draft_vocab_size = None if vocab is None else int(vocab.numel())
+    out = DraftHeads(cfg)
+    state = {k: v for k, v in heads.state_dict().items() if k != "draft_vocab"}
+    missing, unexpected = out.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"draft_vocab"}:
+        raise ValueError(f"heads state does not fit: missing {missing}, unexpected {unexpected}")
+    if vocab is not None:
+        out.draft_vocab.copy_(vocab)
+    return out.to(next(heads.parameters()).dtype)
+
+
 def count_parameters(heads: DraftHeads) -> int:
     return sum(p.numel() for p in {id(p): p for p in heads.parameters()}.values())
 
@@ -626,4 +646,4 @@ def approx_bytes(heads: DraftHeads) -> int:
 
 
 __all__ = ["HeadsConfig", "DraftHeads", "HeadRunner", "Draft", "PrefixState", "ResBlock", "PrefixLayer",
-           "count_parameters", "approx_bytes"]
+           "with_draft_vocab", "count_parameters", "approx_bytes"]

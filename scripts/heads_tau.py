@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import entmtp  # noqa: E402,F401  (sets the OpenMP wait policy before torch loads)
 from entmtp.data import load_prompts, render_prompt  # noqa: E402
+from entmtp.heads import with_draft_vocab  # noqa: E402
 from entmtp.methods import make_runner  # noqa: E402
 from entmtp.models import load_engine  # noqa: E402
 from entmtp.paths import DEFAULT_HEADS_DIR, HEAD_KINDS  # noqa: E402
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", default="mc_sim_7b_63")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="draft over the whole vocabulary with the same weights (is the draft vocabulary what limits tau?)")
     args = ap.parse_args(argv)
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
 
     engine = load_engine("default", {k: str(args.heads_root / HEAD_KINDS[k]) for k in kinds}, dtype=args.dtype,
                          progress=None)
+    if args.full_vocab:
+        for k in kinds:
+            engine.add_heads(k, with_draft_vocab(engine.runners[k].heads, None))
     t0 = time.perf_counter()
     plain = {s: tau_on(engine, "baseline", ps, args)[1] for s, ps in prompts.items()}
     rows, by_source = [], {}
@@ -96,7 +102,8 @@ def main(argv=None) -> int:
                 for p, t in zip(ps, taus):
                     by_source.setdefault(p.id.split("-")[0], {}).setdefault(k, []).append(t)
         rows.append((k, cells, same))
-    print(f"heads: {args.heads_root}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
+    vocab = "the whole vocabulary" if args.full_vocab else "their draft vocabulary"
+    print(f"heads: {args.heads_root}, drafting over {vocab}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
           f"no lookup; held-out {len(prompts['held-out'])} prompts ({args.heldout.name}), calibration "
           f"{len(prompts['calibration'])} ({args.calib.name}); {time.perf_counter() - t0:.0f} s\n")
     print("| heads | tau held-out | tau calibration | gap | first draft accepted (held-out steps) | draft ms a step "

@@ -18,7 +18,7 @@ import torch.nn as nn
 import transformers
 
 from entmtp.checkpoints import CheckpointError, load_heads, save_heads
-from entmtp.heads import DraftHeads, HeadRunner, HeadsConfig
+from entmtp.heads import DraftHeads, HeadRunner, HeadsConfig, with_draft_vocab
 from entmtp.published import HYDRA_FILE, MEDUSA_FILE
 from entmtp.trees import Tree
 
@@ -442,3 +442,29 @@ def test_error_unsupported(hydra_dir, field, value, match):
     raw = json.loads((hydra_dir / "config.json").read_text())
     (hydra_dir / "config.json").write_text(json.dumps({**raw, field: value}))
     one_line_error(hydra_dir, match)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_heads_scored_over_another_vocabulary_keep_their_scores(prefix):
+    """with_draft_vocab: the same blocks scored against other lm_head rows; the old rows' scores stay."""
+    cfg = HeadsConfig(hidden_size=H, vocab_size=V, kind="hydra", num_heads=3, draft_vocab_size=12,
+                      prefix_layer=prefix, **(PREFIX if prefix else {}))
+    heads = random_heads(cfg)
+    embed = randomize(nn.Embedding(V, H))
+    lm = torch.randn(V, H)
+    hidden, ids = inputs()
+    full = with_draft_vocab(heads, None)
+    other = torch.arange(V - 1, V - 13, -1)
+    moved = with_draft_vocab(heads, other)
+    assert full.draft_vocab is None and moved.config.draft_vocab_size == 12 and heads.draft_vocab.numel() == 12
+    with torch.no_grad():
+        old = heads.training_logits(hidden, ids, embed, lm[heads.draft_vocab])
+        wide = full.training_logits(hidden, ids, embed, lm)
+        new = moved.training_logits(hidden, ids, embed, lm[other])
+        for a, b, c in zip(old, wide, new):
+            torch.testing.assert_close(b[..., heads.draft_vocab], a)
+            torch.testing.assert_close(c, b[..., other])
+    published = copy.deepcopy(cfg)
+    published.shared_lm_head = False
+    with pytest.raises(ValueError, match="share the base lm_head"):
+        with_draft_vocab(DraftHeads(published), None)
