@@ -300,7 +300,7 @@ def test_race_agrees_with_the_bench(page, url):
     alternations are compared (a real bias, e.g. UI work inside the race's timed window, stays)."""
     import statistics
 
-    prompt, n_new, repeats = "one two three four five six seven eight nine ten", 128, 5
+    prompt, n_new, repeats = "one two three four five six seven eight nine ten", 256, 5
     race, bench = {"baseline": [], "hydra": []}, {"baseline": [], "hydra": []}
     gap = None
     for attempt in range(7):
