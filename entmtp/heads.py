@@ -267,7 +267,6 @@ class FusedPrefixLayer(nn.Module):
 
     def __init__(self, layer: PrefixLayer):
         super().__init__()
-        ops = torch.ops.entmtp_cpu
         self.n_heads, self.n_kv, self.head_dim = layer.n_heads, layer.n_kv, layer.head_dim
         self.qkv_width = (self.n_heads + 2 * self.n_kv) * self.head_dim
         self.in_features = layer.q_proj.in_features

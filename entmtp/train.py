@@ -1237,8 +1237,285 @@ _RECIPE_FIELDS = ("heads", "num_heads", "num_layers", "draft_vocab", "self_disti
                   "teacher_loss_weight", "teacher_topk", "mixed_precision", "dtype", "seed", "init_from")
 
 
+@dataclass
+class _Sequences:
+    """The tokenized train and held-out sequences (answers from the file or self-distilled)."""
+
+    seqs: list[Seq]
+    train_idx: list[int]
+    held_idx: list[int]
+    n_train_prompts: int
+    n_held_prompts: int
+    info: str  # notes from building the sequences (rows without answers, cut sequences, ...)
+    self_distill: Optional[dict]  # generation statistics when the base answered the prompts
+
+    @property
+    def n_train_answer_tokens(self) -> int:
+        return sum(int(self.seqs[i].mask.sum()) for i in self.train_idx)
+
+
+@dataclass
+class _Vocab:
+    """The draft vocabulary: ids [n] (None: the whole vocabulary) and the full-id -> row map."""
+
+    ids: Optional[torch.Tensor]
+    remap: torch.Tensor
+    size: int
+
+
+@dataclass
+class _Progress:
+    """Where training stands; saved with every checkpoint and restored by --resume."""
+
+    step: int = 0
+    planned: int = 0
+    fitted: bool = False  # the schedule was fitted to the time budget
+    history: list = field(default_factory=list)
+    train_seconds: float = 0.0
+    positions: int = 0
+    stop_reason: str = "completed"
+
+    def state(self, sig: dict, args: TrainConfig, train_seconds: Optional[float] = None) -> dict:
+        return _trainer_state(self.step, self.planned, self.fitted, self.history,
+                              self.train_seconds if train_seconds is None else train_seconds, self.positions, sig, args)
+
+
+def _sequences(ctx: _Ctx, args: TrainConfig, model, tokenizer, prompts: list, model_fp: str, work: Path,
+               deadline: Optional[float]) -> _Sequences:
+    """Split the prompts, answer them with the base model (--self-distill), tokenize."""
+    train_p, held_p = split_prompts(prompts, args.held_out, args.seed)
+    if args.max_prompts and len(train_p) > args.max_prompts:
+        rng = random.Random(args.seed)
+        keep = set(rng.sample(range(len(train_p)), args.max_prompts))
+        train_p = [p for i, p in enumerate(train_p) if i in keep]
+    held_keys = {_prompt_key(p) for p in held_p}
+    sd_stats = sd_records = prompt_ids = None
+    if args.self_distill:
+        sd_records, sd_stats = _self_distill(ctx, args, model, tokenizer, train_p + held_p, held_keys,
+                                             model_fp, work, deadline)
+        prompt_ids = sd_stats.pop("prompt_ids")
+    seqs, seq_info = _build_sequences(ctx, args, tokenizer, train_p, held_p, sd_records, prompt_ids)
+    data = _Sequences(seqs, [i for i, s in enumerate(seqs) if s.split == "train"],
+                      [i for i, s in enumerate(seqs) if s.split == "held"], len(train_p), len(held_p), seq_info, sd_stats)
+    if not data.train_idx:
+        why = "no prompt was answered (generation budget too small?)" if args.self_distill else \
+            "no training row has an assistant answer"
+        raise TrainError(f"{args.data}: no usable training sequence: {why} ({seq_info or 'no rows'})")
+    if args.batch_size < ctx.world:
+        raise TrainError(f"--batch-size {args.batch_size} is smaller than the {ctx.world} processes")
+    ctx.print(f"sequences: {len(data.train_idx)} train ({data.n_train_answer_tokens} answer tokens), "
+              f"{len(data.held_idx)} held-out" + (f"; {seq_info}" if seq_info else ""))
+    return data
+
+
+def _draft_vocabulary(ctx: _Ctx, args: TrainConfig, data: _Sequences, vocab_size: int, eos: list[int],
+                      init: dict[str, tuple[Path, DraftHeads]]) -> _Vocab:
+    """--init-from heads keep the rows they were trained on; new heads take the most frequent answer tokens."""
+    if init:
+        ids = next(iter(init.values()))[1].draft_vocab
+        ids = None if ids is None else ids.clone().cpu()
+    else:
+        ids = _build_draft_vocab(data.seqs, args.draft_vocab, vocab_size, eos)
+    vocab = _Vocab(ids, _vocab_remap(ids, vocab_size), vocab_size if ids is None else int(ids.numel()))
+    if ids is not None:
+        held = [data.seqs[i].ids[data.seqs[i].mask] for i in data.held_idx]
+        held_ans = torch.cat(held) if held else torch.zeros(0, dtype=torch.long)
+        cov = float((vocab.remap[held_ans] >= 0).float().mean()) if held_ans.numel() else float("nan")
+        ctx.print(f"draft vocabulary: {vocab.size} of {vocab_size} tokens (held-out answer coverage {cov:.3f})")
+    return vocab
+
+
+def _feature_source(ctx: _Ctx, args: TrainConfig, model, data: _Sequences, vocab: _Vocab, model_fp: str, work: Path,
+                    use_cache: bool):
+    """get_feats(sequence indices) -> their base hidden states and teacher top-k: from a cache on
+    disk computed once, or computed per batch (held-out ones kept); and what was done."""
+    base_dtype = next(model.parameters()).dtype
+    store_dtype = torch.bfloat16 if base_dtype == torch.bfloat16 else torch.float16
+    extractor = _FeatureExtractor(model, vocab.ids, args.teacher_topk, store_dtype, args.feature_batch_tokens)
+    info: dict[str, Any] = {"cached": bool(use_cache)}
+    seqs = data.seqs
+    if use_cache:
+        key = _feature_key(model_fp, seqs, vocab.ids, args.teacher_topk, store_dtype, args.max_len)
+        store, fi = _cached_features(ctx, args, extractor, seqs, key, work, args.feature_shard_size)
+        info.update(fi)
+        ctx.print(f"features: {'reused cache' if fi['reused'] else 'computed'} ({fi['bytes'] / 1e6:.1f} MB, "
+                  f"{_fmt_s(fi['seconds'])})")
+        return (lambda idxs: {i: store.get(i) for i in idxs}), info
+    held_feats: dict[int, dict] = {}
+
+    def get_feats(idxs: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        miss = [i for i in idxs if i not in held_feats]
+        got = dict(zip(miss, extractor([seqs[i] for i in miss]))) if miss else {}
+        for i, f in got.items():
+            if seqs[i].split == "held":
+                held_feats[i] = f
+        return {i: (held_feats[i] if i in held_feats else got[i]) for i in idxs}
+
+    return get_feats, info
+
+
+def _resume(ctx: _Ctx, accelerator, work: Path, run_sig: dict, planned: int) -> _Progress:
+    """The latest checkpoint's progress (optimizer and heads restored into `accelerator`); a fresh
+    start when there is none. TrainError when it was made with other settings or data."""
+    ck = _latest_ckpt(work)
+    if ck is None:
+        ctx.print(f"--resume: no checkpoint in {_ckpt_dir(work)}; starting from step 0")
+        return _Progress(planned=planned)
+    st = json.loads((ck / "trainer_state.json").read_text())
+    diff = [k for k in run_sig if st.get("signature", {}).get(k) != run_sig[k]]
+    if diff:
+        raise TrainError(f"checkpoint {ck} was made with different {', '.join(diff)}; "
+                         "use the same settings and data, another --work-dir, or drop --resume")
+    accelerator.load_state(str(ck))
+    prog = _Progress(step=int(st["step"]), planned=int(st["planned_steps"]), fitted=bool(st.get("fitted", False)),
+                     history=st.get("history", []), train_seconds=float(st.get("train_seconds", 0.0)),
+                     positions=int(st.get("positions", 0)))
+    ctx.print(f"resumed from {ck} at step {prog.step} of {prog.planned}")
+    return prog
+
+
+def _fit_schedule(ctx: _Ctx, args: TrainConfig, prog: _Progress, step_times: list[float], deadline: float,
+                  n_held: int) -> None:
+    """Shorten the planned steps (the LR schedule with them) to what the time budget leaves, once
+    the step time is known."""
+    sec = sorted(step_times[2:])[len(step_times[2:]) // 2]
+    n_evals = (prog.planned // args.eval_every + 1) if args.eval_every else 1
+    eval_cost = n_evals * sec * max(1, n_held) / max(1, args.batch_size) / 3
+    left = deadline - time.time() - eval_cost - 10.0
+    can = prog.step + max(1, int(0.97 * left / max(1e-6, sec)))
+    new_planned = ctx.bcast(min(prog.planned, max(prog.step + 1, can)))
+    prog.fitted = True
+    if new_planned < prog.planned:
+        ctx.print(f"time budget: {sec:.2f}s/step -> schedule shortened from {prog.planned} to {new_planned} steps")
+        prog.planned = new_planned
+
+
+def _log_jsonl(ctx: _Ctx, path: Path, record: dict) -> None:
+    if ctx.main:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def _train_loop(ctx: _Ctx, args: TrainConfig, accelerator, trainer_p, core: "_HeadsTrainer", optimizer,
+                order: "_Order", data: _Sequences, vocab: _Vocab, get_feats, prog: _Progress, run_sig: dict,
+                work: Path, deadline: Optional[float], t_start: float, use_cache: bool) -> Optional[dict]:
+    """Train from prog.step to prog.planned (or the budget's end); logs, evals and checkpoints on
+    the way; then the final held-out evaluation (returned: kind -> figures) and checkpoint.
+    Updates `prog`."""
+    ctx.print(f"training: {prog.planned} planned steps ({order.steps_per_epoch} per epoch, batch {args.batch_size} "
+              f"sequences), lr {args.lr}, warmup {args.warmup}, cosine to x{args.final_lr_mult}; "
+              f"features {'cached' if use_cache else 'on the fly'}")
+    seqs, K = data.seqs, args.num_heads
+    log_path = work / "train_log.jsonl"
+    t_train, seconds_before, start_step = time.time(), prog.train_seconds, prog.step
+    step_times: list[float] = []
+    bar = ctx.tqdm(total=prog.planned, initial=prog.step, desc="train", unit="step")
+    run_stats: dict[str, torch.Tensor] = {}
+    trainer_p.train()
+    while prog.step < prog.planned:
+        if args.stop_after and prog.step - start_step >= args.stop_after:
+            prog.stop_reason = f"stopped after {args.stop_after} steps (--stop-after)"
+            break
+        if deadline is not None and ctx.any(time.time() > deadline):
+            prog.stop_reason = "time budget spent"
+            break
+        ts = time.time()
+        epoch, bidx = order.batch_at(prog.step)
+        gidx = [data.train_idx[i] for i in bidx]
+        mine = gidx[ctx.rank::ctx.world]
+        norms = _batch_norms([seqs[i] for i in gidx], vocab.remap, K).to(ctx.device)
+        batch = _collate(seqs, mine, get_feats(mine), ctx.device)
+        mult = lr_multiplier(prog.step, args.warmup, prog.planned, args.final_lr_mult)
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * mult
+        loss, stats = trainer_p(batch, norms, float(ctx.world))
+        accelerator.backward(loss)
+        gnorms = {}
+        if args.max_grad_norm > 0:
+            for group in optimizer.param_groups:
+                gnorms[group["name"]] = float(accelerator.clip_grad_norm_(group["params"], args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        prog.step += 1
+        prog.positions += int(norms[0, 0].item())
+        for suffix, st in stats.items():
+            run_stats[suffix] = run_stats.get(suffix, torch.zeros_like(st.cpu())) + st.detach().cpu()
+        step_times.append(time.time() - ts)
+        bar.update(1)
+        if deadline is not None and args.fit_schedule and not prog.fitted and len(step_times) >= 12:
+            _fit_schedule(ctx, args, prog, step_times, deadline, len(data.held_idx))
+            bar.total = prog.planned
+            bar.refresh()
+        if args.log_every and (prog.step % args.log_every == 0 or prog.step == prog.planned):
+            agg = {s: ctx.sum(v.to(ctx.device)).cpu() for s, v in run_stats.items()}
+            rec = {"step": prog.step, "epoch": epoch, "lr": args.lr * mult, "elapsed_s": round(time.time() - t_start, 1),
+                   "sec_per_step": round(sum(step_times[-args.log_every:]) / len(step_times[-args.log_every:]), 4)}
+            per_kind, parts = _train_record(agg, core.labels, args, gnorms)
+            rec.update(per_kind)
+            prog.history.append({"train": rec})
+            run_stats = {}
+            _log_jsonl(ctx, log_path, {"type": "train", **rec})
+            if ctx.main and bar.disable:
+                ctx.print(f"step {prog.step}/{prog.planned} lr {args.lr * mult:.2e} " + " | ".join(parts))
+            elif ctx.main:
+                bar.set_postfix_str(" | ".join(parts)[:120])
+        if args.eval_every and prog.step % args.eval_every == 0 and prog.step < prog.planned:
+            ev = _eval_heldout(ctx, core, seqs, data.held_idx, get_feats, max(1, args.batch_size), accelerator.autocast)
+            if ev is not None:
+                prog.history.append({"eval": {"step": prog.step, **ev}})
+                ctx.print(f"eval @ {prog.step}: " + _eval_line(ev))
+                _log_jsonl(ctx, log_path, {"type": "eval", "step": prog.step, **ev})
+        if args.save_every and prog.step % args.save_every == 0 and prog.step < prog.planned:
+            _save_ckpt(ctx, work, prog.state(run_sig, args, seconds_before + time.time() - t_train))
+    bar.close()
+    prog.train_seconds = seconds_before + (time.time() - t_train)
+    ctx.print(f"training: {prog.step}/{prog.planned} steps, {prog.positions} positions, "
+              f"{_fmt_s(prog.train_seconds)} ({prog.stop_reason})")
+    final = _eval_heldout(ctx, core, seqs, data.held_idx, get_feats, max(1, args.batch_size), accelerator.autocast)
+    if final is not None:
+        prog.history.append({"eval": {"step": prog.step, "final": True, **final}})
+        ctx.print(f"final eval @ {prog.step}: " + _eval_line(final))
+    if prog.step > start_step or not _latest_ckpt(work):
+        _save_ckpt(ctx, work, prog.state(run_sig, args))
+    return final
+
+
+def _export(ctx: _Ctx, args: TrainConfig, core: "_HeadsTrainer", kinds: list[str], out_root: Path, name: str,
+            report: dict, final_eval: Optional[dict]) -> tuple[dict[str, Path], Optional[Path]]:
+    """Save each kind's heads (with the run's provenance) and the training report (json + md);
+    fills report["heads"]. Returns the heads' directories and the report's path (main process)."""
+    save_dtype = {"bfloat16": torch.bfloat16, "int8": "int8"}.get(args.save_dtype)
+    out_dirs: dict[str, Path] = {}
+    report["heads"] = {}
+    for kind in kinds:
+        h = core.heads[KINDS[kind][2]]
+        d = out_root / f"{name}-{KINDS[kind][2]}"
+        metrics = (final_eval or {}).get(kind)
+        meta = {"command": report["command"], "argv": report["argv"], "kind": kind, "base_model": report["model"]["name"],
+                "base_model_fingerprint": report["model"]["fingerprint"],
+                "data": {k: v for k, v in report["data"].items() if k != "self_distill"},
+                "data_sha256": report["data"]["sha256"], "train_time_s": report["timings"]["train_s"],
+                "steps": report["steps"], "planned_steps": report["planned_steps"], "stop_reason": report["stop_reason"],
+                "positions": report["positions"], "seed": args.seed, "recipe": report["recipe"], "metrics": metrics,
+                "created": _dt.datetime.now().isoformat(timespec="seconds")}
+        out_dirs[kind] = d
+        report["heads"][kind] = {"dir": str(d), "params": count_parameters(h), "metrics": metrics}
+        if ctx.main:
+            save_heads(h, d, meta, dtype=save_dtype)
+    report_path = None
+    if ctx.main:
+        report_path = out_root / REPORT_JSON
+        _write_json_atomic(report_path, report)
+        (out_root / REPORT_MD).write_text(_report_md(report), encoding="utf-8")
+        ctx.print(f"saved: {', '.join(str(p) for p in out_dirs.values())}; report {report_path}")
+    return out_dirs, report_path
+
+
 def run_training(args: TrainConfig) -> TrainResult:
-    """Run the whole pipeline; raises TrainError on bad input. See the module docstring."""
+    """Run the whole pipeline; raises TrainError on bad input. See the module docstring.
+
+    Stages: read the prompts, load the base, answer and tokenize (`_sequences`), draft vocabulary,
+    base features (`_feature_source`), heads and optimizer, resume, train (`_train_loop`), export."""
     t_start = time.time()
     _validate(args)
     kinds = parse_kinds(args.heads)
@@ -1250,7 +1527,6 @@ def run_training(args: TrainConfig) -> TrainResult:
 
     pset = _read_data(args)  # before the model: a bad file fails fast
     prompts = list(pset.prompts)
-
     try:
         accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
     except ValueError as e:  # e.g. fp16 mixed precision where it is not supported
@@ -1267,14 +1543,6 @@ def run_training(args: TrainConfig) -> TrainResult:
     ctx.print(f"entmtp train: {pset.summary()}")
     ctx.print(f"processes: {ctx.world} on {ctx.device}; heads: {', '.join(kinds)}; mixed precision: {args.mixed_precision}")
 
-    train_p, held_p = split_prompts(prompts, args.held_out, args.seed)
-    if args.max_prompts and len(train_p) > args.max_prompts:
-        rng = random.Random(args.seed)
-        keep = set(rng.sample(range(len(train_p)), args.max_prompts))
-        train_p = [p for i, p in enumerate(train_p) if i in keep]
-    held_keys = {_prompt_key(p) for p in held_p}
-
-    # ---- base model ----------------------------------------------------------------------------
     t0 = time.time()
     model, tokenizer = _load_base(args.model, args.dtype, ctx.device, ctx.print if ctx.main else None)
     model_fp = _model_fingerprint(model, args.model, args.dtype)
@@ -1283,262 +1551,65 @@ def run_training(args: TrainConfig) -> TrainResult:
     ctx.print(f"base model {args.model!r} loaded in {_fmt_s(time.time() - t0)} "
               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype})")
 
-    # ---- answers -------------------------------------------------------------------------------
-    sd_stats = None
-    sd_records = prompt_ids = None
-    if args.self_distill:
-        sd_records, sd_stats = _self_distill(ctx, args, model, tokenizer, train_p + held_p, held_keys,
-                                             model_fp, work, deadline)
-        prompt_ids = sd_stats.pop("prompt_ids")
-    seqs, seq_info = _build_sequences(ctx, args, tokenizer, train_p, held_p, sd_records, prompt_ids)
-    train_idx = [i for i, s in enumerate(seqs) if s.split == "train"]
-    held_idx = [i for i, s in enumerate(seqs) if s.split == "held"]
-    if not train_idx:
-        why = "no prompt was answered (generation budget too small?)" if args.self_distill else \
-            "no training row has an assistant answer"
-        raise TrainError(f"{args.data}: no usable training sequence: {why} ({seq_info or 'no rows'})")
-    if args.batch_size < ctx.world:
-        raise TrainError(f"--batch-size {args.batch_size} is smaller than the {ctx.world} processes")
-    n_train_tok = sum(int(seqs[i].mask.sum()) for i in train_idx)
-    ctx.print(f"sequences: {len(train_idx)} train ({n_train_tok} answer tokens), {len(held_idx)} held-out"
-              + (f"; {seq_info}" if seq_info else ""))
-
-    # ---- draft vocabulary ------------------------------------------------------------------------
+    data = _sequences(ctx, args, model, tokenizer, prompts, model_fp, work, deadline)
     init: dict[str, tuple[Path, DraftHeads]] = {}
     if args.init_from:
         init = _init_heads(args.init_from, kinds, args, model.config, eos)
-        draft_vocab = next(iter(init.values()))[1].draft_vocab  # the heads were trained on these rows
-        draft_vocab = None if draft_vocab is None else draft_vocab.clone().cpu()
         ctx.print("init: starting from " + ", ".join(f"{k} {d}" for k, (d, _) in init.items()))
-    else:
-        draft_vocab = _build_draft_vocab(seqs, args.draft_vocab, cfg_vocab, eos)
-    remap_cpu = _vocab_remap(draft_vocab, cfg_vocab)
-    n_draft = cfg_vocab if draft_vocab is None else int(draft_vocab.numel())
-    if draft_vocab is not None:
-        held_ans = torch.cat([seqs[i].ids[seqs[i].mask] for i in held_idx]) if held_idx else torch.zeros(0, dtype=torch.long)
-        cov = float((remap_cpu[held_ans] >= 0).float().mean()) if held_ans.numel() else float("nan")
-        ctx.print(f"draft vocabulary: {n_draft} of {cfg_vocab} tokens (held-out answer coverage {cov:.3f})")
+    vocab = _draft_vocabulary(ctx, args, data, cfg_vocab, eos, init)
 
-    # ---- features ----------------------------------------------------------------------------------
-    K = args.num_heads
-    order = _Order(len(train_idx), args.batch_size, args.seed)
+    order = _Order(len(data.train_idx), args.batch_size, args.seed)
     planned = _planned_steps(args, order.steps_per_epoch)
     use_cache = args.cache_features if args.cache_features is not None else planned > order.steps_per_epoch
-    base_dtype = next(model.parameters()).dtype
-    store_dtype = torch.bfloat16 if base_dtype == torch.bfloat16 else torch.float16
-    extractor = _FeatureExtractor(model, draft_vocab, args.teacher_topk, store_dtype, args.feature_batch_tokens)
-    feat_info: dict[str, Any] = {"cached": bool(use_cache)}
-    store: Optional[_FeatureStore] = None
-    if use_cache:
-        key = _feature_key(model_fp, seqs, draft_vocab, args.teacher_topk, store_dtype, args.max_len)
-        store, fi = _cached_features(ctx, args, extractor, seqs, key, work, args.feature_shard_size)
-        feat_info.update(fi)
-        ctx.print(f"features: {'reused cache' if fi['reused'] else 'computed'} ({fi['bytes'] / 1e6:.1f} MB, "
-                  f"{_fmt_s(fi['seconds'])})")
+    get_feats, feat_info = _feature_source(ctx, args, model, data, vocab, model_fp, work, use_cache)
 
-        def get_feats(idxs: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-            return {i: store.get(i) for i in idxs}
-    else:
-        held_feats: dict[int, dict] = {}
-
-        def get_feats(idxs: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-            miss = [i for i in idxs if i not in held_feats]
-            got = dict(zip(miss, extractor([seqs[i] for i in miss]))) if miss else {}
-            for i, f in got.items():
-                if seqs[i].split == "held":
-                    held_feats[i] = f
-            return {i: (held_feats[i] if i in held_feats else got[i]) for i in idxs}
-
-    # ---- heads, optimizer ----------------------------------------------------------------------------
     torch.manual_seed(args.seed)
     name = args.name or _model_name(args.model)
     base_name = "SmolLM2-135M-Instruct" if str(args.model).strip().lower() == "default" else str(args.model)
-    heads = _new_heads(kinds, args, model.config, base_name, draft_vocab, n_draft, init)
+    heads = _new_heads(kinds, args, model.config, base_name, vocab.ids, vocab.size, init)
     emb_w = model.get_input_embeddings().weight.detach().float().to(ctx.device)
     lm_full = model.get_output_embeddings().weight.detach()
-    lm_w = (lm_full if draft_vocab is None else lm_full.index_select(0, draft_vocab.to(lm_full.device))).float().to(ctx.device).contiguous()
-    trainer = _HeadsTrainer(heads, emb_w, lm_w, remap_cpu.to(ctx.device), args.lm_loss_weight,
+    lm_w = (lm_full if vocab.ids is None else lm_full.index_select(0, vocab.ids.to(lm_full.device))).float().to(ctx.device).contiguous()
+    trainer = _HeadsTrainer(heads, emb_w, lm_w, vocab.remap.to(ctx.device), args.lm_loss_weight,
                             args.teacher_loss_weight).to(ctx.device)
     groups = [{"params": list(trainer.heads[KINDS[k][2]].parameters()), "name": k} for k in kinds]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     trainer_p, optimizer = accelerator.prepare(trainer, optimizer)
     core: _HeadsTrainer = accelerator.unwrap_model(trainer_p)
 
-    # ---- resume --------------------------------------------------------------------------------------------
-    run_sig = {"kinds": kinds, "num_heads": K, "num_layers": args.num_layers, "batch_size": args.batch_size,
-               "seed": args.seed, "n_train": len(train_idx), "draft_vocab": None if draft_vocab is None else _sha256_json(draft_vocab.tolist()),
+    seqs, train_idx, held_idx = data.seqs, data.train_idx, data.held_idx
+    run_sig = {"kinds": kinds, "num_heads": args.num_heads, "num_layers": args.num_layers, "batch_size": args.batch_size,
+               "seed": args.seed, "n_train": len(train_idx), "draft_vocab": None if vocab.ids is None else _sha256_json(vocab.ids.tolist()),
                "train_data": _sha256_json([[seqs[i].pid, len(seqs[i])] for i in train_idx]), "model": model_fp,
                "init_from": {k: _sha256_state(h) for k, (_, h) in init.items()} or None}
-    step = 0
-    history: list[dict] = []
-    train_seconds_before = 0.0
-    positions_before = 0
-    fitted = False
-    if args.resume:
-        ck = _latest_ckpt(work)
-        if ck is None:
-            ctx.print(f"--resume: no checkpoint in {_ckpt_dir(work)}; starting from step 0")
-        else:
-            st = json.loads((ck / "trainer_state.json").read_text())
-            diff = [k for k in run_sig if st.get("signature", {}).get(k) != run_sig[k]]
-            if diff:
-                raise TrainError(f"checkpoint {ck} was made with different {', '.join(diff)}; "
-                                 "use the same settings and data, another --work-dir, or drop --resume")
-            accelerator.load_state(str(ck))
-            step = int(st["step"])
-            planned = int(st["planned_steps"])
-            fitted = bool(st.get("fitted", False))
-            history = st.get("history", [])
-            train_seconds_before = float(st.get("train_seconds", 0.0))
-            positions_before = int(st.get("positions", 0))
-            ctx.print(f"resumed from {ck} at step {step} of {planned}")
-
-    # ---- train -----------------------------------------------------------------------------------------
-    ctx.print(f"training: {planned} planned steps ({order.steps_per_epoch} per epoch, batch {args.batch_size} "
-              f"sequences), lr {args.lr}, warmup {args.warmup}, cosine to x{args.final_lr_mult}; "
-              f"features {'cached' if use_cache else 'on the fly'}")
-    log_path = work / "train_log.jsonl"
-    autocast = accelerator.autocast
-    t_train = time.time()
-    step_times: list[float] = []
-    positions = positions_before
-    stop_reason = "completed"
-    start_step = step
-    bar = ctx.tqdm(total=planned, initial=step, desc="train", unit="step")
-    run_stats: dict[str, torch.Tensor] = {}
-    trainer_p.train()
-    while step < planned:
-        if args.stop_after and step - start_step >= args.stop_after:
-            stop_reason = f"stopped after {args.stop_after} steps (--stop-after)"
-            break
-        if deadline is not None and ctx.any(time.time() > deadline):
-            stop_reason = "time budget spent"
-            break
-        ts = time.time()
-        epoch, bidx = order.batch_at(step)
-        gidx = [train_idx[i] for i in bidx]
-        mine = gidx[ctx.rank::ctx.world]
-        norms = _batch_norms([seqs[i] for i in gidx], remap_cpu, K).to(ctx.device)
-        batch = _collate(seqs, mine, get_feats(mine), ctx.device)
-        mult = lr_multiplier(step, args.warmup, planned, args.final_lr_mult)
-        for gr in optimizer.param_groups:
-            gr["lr"] = args.lr * mult
-        loss, stats = trainer_p(batch, norms, float(ctx.world))
-        accelerator.backward(loss)
-        gnorms = {}
-        if args.max_grad_norm > 0:
-            for gr in optimizer.param_groups:
-                gnorms[gr["name"]] = float(accelerator.clip_grad_norm_(gr["params"], args.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        positions += int(norms[0, 0].item())
-        for suffix, st in stats.items():
-            run_stats[suffix] = run_stats.get(suffix, torch.zeros_like(st.cpu())) + st.detach().cpu()
-        step_times.append(time.time() - ts)
-        bar.update(1)
-
-        # fit the schedule to the time budget once the step time is known
-        if (deadline is not None and args.fit_schedule and not fitted and len(step_times) >= 12):
-            sec = sorted(step_times[2:])[len(step_times[2:]) // 2]
-            n_evals = (planned // args.eval_every + 1) if args.eval_every else 1
-            eval_cost = n_evals * sec * max(1, len(held_idx)) / max(1, args.batch_size) / 3
-            left = deadline - time.time() - eval_cost - 10.0
-            can = step + max(1, int(0.97 * left / max(1e-6, sec)))
-            new_planned = ctx.bcast(min(planned, max(step + 1, can)))
-            fitted = True
-            if new_planned < planned:
-                ctx.print(f"time budget: {sec:.2f}s/step -> schedule shortened from {planned} to {new_planned} steps")
-                planned = new_planned
-                bar.total = planned
-                bar.refresh()
-
-        if args.log_every and (step % args.log_every == 0 or step == planned):
-            agg = {s: ctx.sum(v.to(ctx.device)).cpu() for s, v in run_stats.items()}
-            rec = {"step": step, "epoch": epoch, "lr": args.lr * mult, "elapsed_s": round(time.time() - t_start, 1),
-                   "sec_per_step": round(sum(step_times[-args.log_every:]) / len(step_times[-args.log_every:]), 4)}
-            per_kind, parts = _train_record(agg, core.labels, args, gnorms)
-            rec.update(per_kind)
-            history.append({"train": rec})
-            run_stats = {}
-            if ctx.main:
-                with open(log_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"type": "train", **rec}) + "\n")
-                if bar.disable:
-                    ctx.print(f"step {step}/{planned} lr {args.lr * mult:.2e} " + " | ".join(parts))
-                else:
-                    bar.set_postfix_str(" | ".join(parts)[:120])
-
-        if args.eval_every and step % args.eval_every == 0 and step < planned:
-            last_eval = _eval_heldout(ctx, core, seqs, held_idx, get_feats, max(1, args.batch_size), autocast)
-            if last_eval is not None:
-                history.append({"eval": {"step": step, **last_eval}})
-                ctx.print(f"eval @ {step}: " + _eval_line(last_eval))
-                if ctx.main:
-                    with open(log_path, "a", encoding="utf-8") as fh:
-                        fh.write(json.dumps({"type": "eval", "step": step, **last_eval}) + "\n")
-        if args.save_every and step % args.save_every == 0 and step < planned:
-            _save_ckpt(ctx, work, _trainer_state(step, planned, fitted, history, train_seconds_before + time.time() - t_train,
-                                                 positions, run_sig, args))
-    bar.close()
-    train_seconds = train_seconds_before + (time.time() - t_train)
-    ctx.print(f"training: {step}/{planned} steps, {positions} positions, {_fmt_s(train_seconds)} ({stop_reason})")
-
-    # ---- final evaluation, checkpoint, export ---------------------------------------------------------
-    final_eval = _eval_heldout(ctx, core, seqs, held_idx, get_feats, max(1, args.batch_size), autocast)
-    if final_eval is not None:
-        history.append({"eval": {"step": step, "final": True, **final_eval}})
-        ctx.print(f"final eval @ {step}: " + _eval_line(final_eval))
-    if step > start_step or not _latest_ckpt(work):
-        _save_ckpt(ctx, work, _trainer_state(step, planned, fitted, history, train_seconds, positions, run_sig, args))
+    prog = _resume(ctx, accelerator, work, run_sig, planned) if args.resume else _Progress(planned=planned)
+    final_eval = _train_loop(ctx, args, accelerator, trainer_p, core, optimizer, order, data, vocab, get_feats, prog,
+                             run_sig, work, deadline, t_start, use_cache)
 
     data_info = {"file": str(args.data), "sha256": pset.sha256, "format": pset.format, "n_prompts": len(prompts),
-                 "n_skipped_rows": len(pset.skipped), "n_train_prompts": len(train_p), "n_held_out_prompts": len(held_p),
-                 "n_train_sequences": len(train_idx), "n_held_out_sequences": len(held_idx),
-                 "n_train_tokens": sum(len(seqs[i]) for i in train_idx), "n_train_answer_tokens": n_train_tok,
+                 "n_skipped_rows": len(pset.skipped), "n_train_prompts": data.n_train_prompts,
+                 "n_held_out_prompts": data.n_held_prompts, "n_train_sequences": len(train_idx),
+                 "n_held_out_sequences": len(held_idx), "n_train_tokens": sum(len(seqs[i]) for i in train_idx),
+                 "n_train_answer_tokens": data.n_train_answer_tokens,
                  "n_held_out_answer_tokens": sum(int(seqs[i].mask.sum()) for i in held_idx),
-                 "sequence_notes": seq_info, "self_distill": sd_stats}
+                 "sequence_notes": data.info, "self_distill": data.self_distill}
     recipe = {k: getattr(args, k) for k in _RECIPE_FIELDS}
-    recipe.update({"planned_steps": planned, "steps_per_epoch": order.steps_per_epoch, "draft_vocab_size": n_draft,
+    recipe.update({"planned_steps": prog.planned, "steps_per_epoch": order.steps_per_epoch, "draft_vocab_size": vocab.size,
                    "optimizer": "AdamW", "schedule": "linear warmup + cosine", "processes": ctx.world,
                    "features": "cached" if use_cache else "on the fly",
                    "loss": "lm_w*CE(actual next token) + teacher_w*softCE(base top-k, renormalized over draft vocab)"})
-    command = _command_line()
-    timings = {"total_s": round(time.time() - t_start, 1), "train_s": round(train_seconds, 1),
-               "generation_s": round(sd_stats["seconds"], 1) if sd_stats else 0.0,
+    timings = {"total_s": round(time.time() - t_start, 1), "train_s": round(prog.train_seconds, 1),
+               "generation_s": round(data.self_distill["seconds"], 1) if data.self_distill else 0.0,
                "features_s": round(feat_info.get("seconds", 0.0), 1)}
-    out_dirs: dict[str, Path] = {}
-    kinds_report: dict[str, Any] = {}
-    save_dtype = {"bfloat16": torch.bfloat16, "int8": "int8"}.get(args.save_dtype)
-    for kind in kinds:
-        suffix = KINDS[kind][2]
-        h = core.heads[suffix]
-        d = out_root / f"{name}-{suffix}"
-        metrics = (final_eval or {}).get(kind)
-        meta = {"command": command, "argv": list(sys.argv), "kind": kind, "base_model": base_name,
-                "base_model_fingerprint": model_fp, "data": {k: v for k, v in data_info.items() if k != "self_distill"},
-                "data_sha256": pset.sha256, "train_time_s": round(train_seconds, 1), "steps": step,
-                "planned_steps": planned, "stop_reason": stop_reason, "positions": positions, "seed": args.seed,
-                "recipe": recipe, "metrics": metrics,
-                "created": _dt.datetime.now().isoformat(timespec="seconds")}
-        out_dirs[kind] = d
-        kinds_report[kind] = {"dir": str(d), "params": count_parameters(h), "metrics": metrics}
-        if ctx.main:
-            save_heads(h, d, meta, dtype=save_dtype)
-    report = {"command": command, "argv": list(sys.argv), "model": {"spec": args.model, "name": base_name,
+    report = {"command": _command_line(), "argv": list(sys.argv), "model": {"spec": args.model, "name": base_name,
               "fingerprint": model_fp, "dtype": args.dtype, "vocab_size": cfg_vocab},
-              "data": data_info, "features": feat_info, "recipe": recipe, "timings": timings, "steps": step,
-              "planned_steps": planned, "positions": positions, "stop_reason": stop_reason, "heads": kinds_report,
-              "history": history, "created": _dt.datetime.now().isoformat(timespec="seconds")}
-    report_path = None
-    if ctx.main:
-        report_path = out_root / REPORT_JSON
-        _write_json_atomic(report_path, report)
-        (out_root / REPORT_MD).write_text(_report_md(report), encoding="utf-8")
-        ctx.print(f"saved: {', '.join(str(p) for p in out_dirs.values())}; report {report_path}")
+              "data": data_info, "features": feat_info, "recipe": recipe, "timings": timings, "steps": prog.step,
+              "planned_steps": prog.planned, "positions": prog.positions, "stop_reason": prog.stop_reason, "heads": {},
+              "history": prog.history, "created": _dt.datetime.now().isoformat(timespec="seconds")}
+    out_dirs, report_path = _export(ctx, args, core, kinds, out_root, name, report, final_eval)
     ctx.barrier()
     return TrainResult(heads={k: core.heads[KINDS[k][2]] for k in kinds}, out_dirs=out_dirs, report=report,
-                       report_path=report_path, extra={"seqs": seqs, "draft_vocab": draft_vocab})
+                       report_path=report_path, extra={"seqs": seqs, "draft_vocab": vocab.ids})
 
 
 def _command_line() -> str:

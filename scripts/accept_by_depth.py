@@ -45,7 +45,7 @@ def main() -> int:
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     engine = load_engine_for(ModelOptions(model=args.model, dtype=args.dtype), heads)
     D = args.depth
-    print(f"| prompts | heads | steps | " + " | ".join(f"P(accept >= {d})" for d in range(1, D + 1)) + f" | tau of chain_{D} |")
+    print("| prompts | heads | steps | " + " | ".join(f"P(accept >= {d})" for d in range(1, D + 1)) + f" | tau of chain_{D} |")
     print("|---|---|---:|" + "---:|" * (D + 1))
     for path in [p.strip() for p in args.data.split(",") if p.strip()]:
         prompts = load_prompts(path).prompts
