@@ -1104,6 +1104,42 @@ def _typical_context(engine, calib: list[Prompt], max_new_tokens: int) -> Option
     return mid + (mid * (1 + max_new_tokens // max(1, len(mid))))[: max_new_tokens // 2]
 
 
+def _statistics(engine, heads: str, cfg: SearchConfig, spec, method: str, union, calib: list, held: list, meta: dict,
+                state, progress: Progress):
+    """The calibration prompts' acceptance statistics and the held-out ones (None when not
+    needed): collected here, sharded over `state`'s processes and gathered, or reused from
+    `cfg.reuse_stats`. None on processes other than the main one."""
+    distributed = state is not None and getattr(state, "num_processes", 1) > 1
+    runner = engine.runners[heads]
+    K, max_new_tokens, reuse_stats = runner.config.num_heads, cfg.max_new_tokens, cfg.reuse_stats
+    mine = _shard(calib, state) if distributed else calib
+    kw = dict(method=method, max_rank=cfg.max_rank, batch_size=cfg.batch_size)
+    held_stats = None
+    if reuse_stats is not None:
+        if distributed:
+            raise ValueError("reused statistics need no statistics pass: run the search in one process")
+        want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "num_heads": K,
+                "max_new_tokens": max_new_tokens, "dtype": str(engine.dtype).removeprefix("torch."), "method": method}
+        stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, cfg.max_rank, union,
+                                         [p.id for p in calib], held)
+    else:
+        stats = collect_stats(engine, heads, mine, union, spec, max_new_tokens, progress=progress, meta=meta, **kw)
+    if reuse_stats is None and held and (cfg.decompose or method == "trace"):
+        # traces are cheap: replay on many held-out prompts; rollouts: only the evaluated ones
+        hp = held[:cfg.max_held_out] if method == "trace" else held[:cfg.max_eval]
+        mine_h = _shard(hp, state) if distributed else hp
+        held_stats = collect_stats(engine, heads, mine_h, union, spec, max_new_tokens,
+                                   progress=lambda ph, d, t: progress("held-out statistics", d, t), meta=meta,
+                                   signals=False, **kw)
+    if distributed:
+        stats = _gather_stats(stats, state)
+        if held_stats is not None:
+            held_stats = _gather_stats(held_stats, state)
+        if not state.is_main_process:
+            return None
+    return stats, held_stats
+
+
 def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config: SearchConfig | Sequence[int] | None = None,
                *, latency: Optional[LatencyModel] = None, progress: Optional[Progress] = None, state=None,
                **fields) -> Optional[SearchReport]:
@@ -1138,38 +1174,16 @@ def run_search(engine, heads: str, prompts: Sequence[Prompt] | PromptSet, config
             union = union_tree(K, cfg.union_nodes, include=[ref])
         if union.depth > K:
             raise TreeError(f"the union tree has depth {union.depth} but the heads draft {K} levels")
-    distributed = state is not None and getattr(state, "num_processes", 1) > 1
     model_info = describe_model(engine.model)
     meta = {"model": model_info.get("name"), "data_sha256": data["sha256"]}
     timings = {}
 
-    # 1. statistics
+    # 1. statistics (sharded over the processes; only the main one goes on)
     t0 = time.perf_counter()
-    mine = _shard(calib, state) if distributed else calib
-    kw = dict(method=method, max_rank=cfg.max_rank, batch_size=cfg.batch_size)
-    held_stats = None
-    if reuse_stats is not None:
-        if distributed:
-            raise ValueError("reused statistics need no statistics pass: run the search in one process")
-        want = {"model": meta["model"], "data_sha256": meta["data_sha256"], "num_heads": K,
-                "max_new_tokens": max_new_tokens, "dtype": str(engine.dtype).removeprefix("torch."), "method": method}
-        stats, held_stats = reused_stats(reuse_stats, want, runner.config.to_dict(), spec, cfg.max_rank, union,
-                                         [p.id for p in calib], held)
-    else:
-        stats = collect_stats(engine, heads, mine, union, spec, max_new_tokens, progress=progress, meta=meta, **kw)
-    if reuse_stats is None and held and (cfg.decompose or method == "trace"):
-        # traces are cheap: replay on many held-out prompts; rollouts: only the evaluated ones
-        hp = held[:cfg.max_held_out] if method == "trace" else held[:max_eval]
-        mine_h = _shard(hp, state) if distributed else hp
-        held_stats = collect_stats(engine, heads, mine_h, union, spec, max_new_tokens,
-                                   progress=lambda ph, d, t: progress("held-out statistics", d, t), meta=meta,
-                                   signals=False, **kw)
-    if distributed:
-        stats = _gather_stats(stats, state)
-        if held_stats is not None:
-            held_stats = _gather_stats(held_stats, state)
-        if not state.is_main_process:
-            return None
+    got = _statistics(engine, heads, cfg, spec, method, union, calib, held, meta, state, progress)
+    if got is None:
+        return None
+    stats, held_stats = got
     timings["statistics_s"] = time.perf_counter() - t0
 
     # 2. latency
