@@ -1271,7 +1271,7 @@ class _Progress:
     planned: int = 0
     fitted: bool = False  # the schedule was fitted to the time budget
     history: list = field(default_factory=list)
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # training time of the steps done (`_train_loop` adds this run's at its end)
     positions: int = 0
     stop_reason: str = "completed"
 
