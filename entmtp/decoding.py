@@ -217,7 +217,7 @@ class Generation:
         self.root = self.rule.first_token(last, self.rng)
         self.root_logits = last
         if self.runner is not None:
-            self.prefix_state, self.feature = self.runner.start(hidden)
+            self.prefix_state, self.feature = self.runner.start(hidden, ids[0])
         synchronize(self.device)
         self.time_prefill = time.perf_counter() - t0
         self._started = True
@@ -356,8 +356,9 @@ class Generation:
         keep_cache_entries(self.cache, self.past, acc.path, tree.size)
         self.past += len(acc.path)
         if self.runner is not None:
-            h = hidden.index_select(0, torch.tensor(acc.path, device=dev))
-            self.feature = self.runner.advance(self.prefix_state, h, h[-1])
+            path = torch.tensor(acc.path, device=dev)
+            h = hidden.index_select(0, path)
+            self.feature = self.runner.advance(self.prefix_state, h, h[-1], tree_tokens.index_select(0, path))
         prev_root_logits = self.root_logits
         self.root_logits = logits[acc.path[-1]]
         emitted = self._emit([tokens[i] for i in acc.path])

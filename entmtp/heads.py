@@ -8,6 +8,12 @@
   residual projection.
 * Hydra++ adds one causal decoder layer (Llama-style: RMSNorm, RoPE attention, SwiGLU MLP)
   over the sequence of base hidden states; its output replaces h_t for every head.
+* EAGLE (kind "eagle") is one such decoder layer applied autoregressively in feature space
+  (EAGLE, Li et al. 2024): the row of position t reads fc[f_t, E(x_{t+1})] and outputs f'_t,
+  the layer's guess of the base's next hidden state, whose LM-head scores draft x_{t+2}; the
+  next depth reads fc[f'_t, E(x_{t+2})] with f'_t in place of the unknown f_{t+1}. Rows of
+  accepted positions read the base's real features and stay in the layer's KV; a drafted row
+  attends to them and to its own ancestors in the tree. `num_heads` is the draft depth.
 
 The LM head of every head can be the frozen base ``lm_head`` (shared, not stored: a copy is
 V*h parameters, 113 MB per head for a 49k vocabulary) or a per-head copy (published
@@ -40,7 +46,7 @@ from .hardware import fast_bf16_matmul
 class HeadsConfig:
     """Everything needed to rebuild a set of draft heads (saved as `config.json`)."""
 
-    kind: str  # "medusa" or "hydra"
+    kind: str  # "medusa", "hydra" or "eagle"
     num_heads: int
     hidden_size: int
     vocab_size: int
@@ -64,8 +70,8 @@ class HeadsConfig:
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.kind not in ("medusa", "hydra"):
-            raise ValueError(f"heads kind must be 'medusa' or 'hydra', got {self.kind!r}")
+        if self.kind not in ("medusa", "hydra", "eagle"):
+            raise ValueError(f"heads kind must be 'medusa', 'hydra' or 'eagle', got {self.kind!r}")
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError("num_heads and num_layers must be >= 1")
         # prefix_layer with kind "medusa": Hydra's ungrounded "prefix-mlp" checkpoints.
@@ -73,6 +79,10 @@ class HeadsConfig:
             raise ValueError("shared_all_blocks needs kind='medusa' (a Hydra head's first block is wider)")
         if self.prefix_layer and not (self.num_attention_heads and self.intermediate_size):
             raise ValueError("the Hydra++ prefix layer needs num_attention_heads and intermediate_size")
+        if self.kind == "eagle" and not (self.num_attention_heads and self.intermediate_size):
+            raise ValueError("the EAGLE draft layer needs num_attention_heads and intermediate_size")
+        if self.kind == "eagle" and (self.prefix_layer or not self.shared_lm_head):
+            raise ValueError("EAGLE heads are one draft layer scored by the shared base lm_head (no prefix layer, no own lm_heads)")
 
     @property
     def label(self) -> str:
@@ -314,6 +324,146 @@ class FusedPrefixLayer(nn.Module):
         return bool((ours - exact).abs().max() <= 4 * tol and (layer - exact).abs().max() <= 32 * tol)
 
 
+def chain_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, allow: Optional[torch.Tensor],
+                    chain_k: list[torch.Tensor], chain_v: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention of draft rows over context keys plus each row's own chain of earlier draft rows.
+
+    q [B, H, T, d]; k_ctx / v_ctx [B, Hkv, S, d]; allow [T, S] bool (None: every context key);
+    chain_k / chain_v: lists of [B, Hkv, T, d] whose row i belongs to query row i's chain (its
+    ancestors in the tree and itself). -> [B, H, T, d]; scores and softmax in float32.
+    """
+    rep = q.shape[1] // k_ctx.shape[1]
+
+    def grow(t: torch.Tensor) -> torch.Tensor:  # grouped-query: one kv head serves `rep` query heads
+        return (t.repeat_interleave(rep, dim=1) if rep > 1 else t).float()
+
+    qf = q.float()
+    s = torch.matmul(qf, grow(k_ctx).transpose(-1, -2)) * scale  # [B, H, T, S]
+    if allow is not None:
+        s = s.masked_fill(~allow, float("-inf"))
+    if chain_k:
+        s = torch.cat([s, torch.stack([(qf * grow(k)).sum(-1) for k in chain_k], -1) * scale], -1)
+    w = torch.softmax(s, -1)
+    n_ctx = k_ctx.shape[-2]
+    out = torch.matmul(w[..., :n_ctx], grow(v_ctx))
+    for i, v in enumerate(chain_v):
+        out = out + w[..., n_ctx + i, None] * grow(v)
+    return out.to(q.dtype)
+
+
+class EagleLayer(nn.Module):
+    """EAGLE's draft layer: fc[feature, embedding] (2h -> h), then one causal Llama-style decoder
+    layer and a final norm. Its output at a row is the next row's feature and, scored by the
+    base lm_head, the draft of the token after the row's token.
+
+    Starts as "the feature, normed": fc takes the feature half, and the attention and MLP
+    outputs start at zero, so training begins from the base's own next-token guess.
+    """
+
+    def __init__(self, cfg: HeadsConfig):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        kvh = cfg.num_key_value_heads or nh
+        self.n_heads, self.n_kv, self.head_dim, self.theta = nh, kvh, h // nh, cfg.rope_theta
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.fc = nn.Linear(2 * h, h)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, nh * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(nh * self.head_dim, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :h] = torch.eye(h)
+            self.fc.bias.zero_()
+            self.o_proj.weight.zero_()
+            self.down_proj.weight.zero_()
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE frequencies [head_dim / 2], float32, cached per device."""
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            d = self.head_dim
+            inv = self._inv_freq[device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        return inv
+
+    def rows(self, feat: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
+        """feat, emb [B, T, h]; pos [T] positions -> (residual stream x [B, T, h], rotated
+        q [B, H, T, d], k and v [B, Hkv, T, d])."""
+        B, T, _ = feat.shape
+        x = self.fc(torch.cat([feat, emb.to(feat.dtype)], -1))
+        y = self.input_layernorm(x)
+        inv = self.inv_freq(x.device)
+        q = _rope(self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2), pos, inv)
+        k = _rope(self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2), pos, inv)
+        v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return x, q, k, v
+
+    def finish(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """x [B, T, h] residual stream, att [B, H, T, d] -> the rows' output features [B, T, h]."""
+        B, T, _ = x.shape
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return self.norm(x)
+
+    def unroll(self, hidden: torch.Tensor, emb: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Teacher-forced drafting along the true continuation, as it runs at decoding time.
+
+        hidden [B, T, h] base hidden states; emb [B, T', h] embeddings of the tokens (token t+1
+        follows hidden state t; T' >= T, zeros past the end). Returns `depth` tensors [B, T, h]:
+        entry k at row t is the feature after drafting k levels from position t, whose lm_head
+        scores predict x_{t+k+2}. Step 0's rows are the context rows (real features, causal);
+        a step-k row reads step k-1's output and x_{t+k+1}, and attends to the context rows <= t
+        and its own earlier steps (the chain a tree node's row sees).
+        """
+        B, T, h = hidden.shape
+        pad = emb.new_zeros(B, max(0, T + depth - emb.shape[1]), h)
+        emb = torch.cat([emb, pad], 1) if pad.shape[1] else emb
+        pos = torch.arange(T, device=hidden.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
+        feat, outs, chain_k, chain_v = hidden, [], [], []
+        k_ctx = v_ctx = None
+        for k in range(depth):
+            x, q, kk, vv = self.rows(feat, emb[:, k + 1: k + 1 + T], pos + k)
+            if k == 0:
+                k_ctx, v_ctx = kk, vv
+            else:
+                chain_k, chain_v = chain_k + [kk], chain_v + [vv]
+            feat = self.finish(x, chain_attention(q, k_ctx, v_ctx, causal, chain_k, chain_v, self.scale))
+            outs.append(feat)
+        return outs
+
+    def extend(self, state: PrefixState, feat: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """Context rows at the next positions: feat, emb [n, h] -> their outputs [n, h]; their
+        keys and values are appended to `state` (causal over every earlier row)."""
+        past, n = state.length, feat.shape[0]
+        pos = torch.arange(past, past + n, device=feat.device)
+        x, q, k, v = self.rows(feat[None], emb[None], pos)
+        keys, values = state.append(k, v)
+        allow = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=feat.device).tril(diagonal=past)
+        return self.finish(x, chain_attention(q, keys, values, allow, [], [], self.scale))[0]
+
+
+@dataclass
+class EagleState:
+    """A request's EAGLE context, the feature EAGLE heads read: the draft layer's keys/values of
+    rows 0..kv.length-1, the base hidden state `hidden` [h] at the last accepted position t =
+    `position` and, once a step drafted from it, row t's root token and output feature [h]."""
+
+    kv: PrefixState
+    hidden: torch.Tensor
+    position: int
+    root: Optional[int] = None
+    root_out: Optional[torch.Tensor] = None
+
+
 class DraftHeads(nn.Module):
     """K Medusa or Hydra heads (optionally Hydra++). Weights only: no generation state."""
 
@@ -322,7 +472,7 @@ class DraftHeads(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         blocks = []
-        for k in range(cfg.num_heads):
+        for k in range(cfg.num_heads if cfg.kind != "eagle" else 0):
             first_in = (k + 2) * h if cfg.kind == "hydra" else h
             layers = [ResBlock(first_in, h)]
             if cfg.shared_all_blocks:
@@ -344,13 +494,16 @@ class DraftHeads(nn.Module):
         else:
             self.draft_vocab = None
         self.prefix = PrefixLayer(cfg) if cfg.prefix_layer else None
+        self.eagle = EagleLayer(cfg) if cfg.kind == "eagle" else None
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
     def head_hidden(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """Head k's blocks. x [..., in_k] -> [..., h]."""
+        """Head k's blocks. x [..., in_k] -> [..., h] (EAGLE: x is already the drafted feature)."""
+        if self.eagle is not None:
+            return x
         for block in self.blocks[k]:
             x = block(x)
         return x
@@ -372,8 +525,15 @@ class DraftHeads(nn.Module):
 
         hidden [B, T, h] base last hidden states; input_ids [B, T].
         Returns K tensors [B, T-k-1, V_draft]: head k at position t predicts x_{t+k+2}.
-        (Positions whose target would fall beyond T are dropped.)
+        (Positions whose target would fall beyond T are dropped.) EAGLE: "head k" is the
+        draft layer's k-th step along the true continuation (`EagleLayer.unroll`).
         """
+        if self.eagle is not None:
+            with torch.no_grad():
+                emb = embed(input_ids).to(hidden.dtype)
+            T = hidden.shape[1]
+            outs = self.eagle.unroll(hidden, emb, self.num_heads)
+            return [self.head_logits(k, o[:, : T - k - 1], lm_weight) for k, o in enumerate(outs) if T - k - 1 > 0]
         if self.prefix is not None:
             hidden = self.prefix(hidden)
         T = hidden.shape[1]
@@ -474,20 +634,44 @@ class HeadRunner:
         w = self.embed.weight
         return self.embed(ids.to(w.device)).to(self.device)
 
-    def start(self, hidden: torch.Tensor) -> tuple[Optional[PrefixState], torch.Tensor]:
-        """Begin a request. hidden [T, h] base hidden states of the prompt.
+    def start(self, hidden: torch.Tensor, ids: Optional[torch.Tensor] = None):
+        """Begin a request. hidden [T, h] base hidden states of the prompt; ids [T] its tokens
+        (EAGLE heads only: their context rows read the token after each position).
 
-        Returns (prefix state or None, the feature h_t the heads read for the last position [h]).
+        Returns (request state or None, the feature the heads read at the last position: h_t
+        [h], or for EAGLE heads the `EagleState`, which is also the request state).
         """
         hidden = hidden.to(self.dtype)
+        if self.compute.eagle is not None:
+            if ids is None:
+                raise ValueError("EAGLE heads need the prompt's token ids to start")
+            ids = torch.as_tensor(ids, device=self.device).flatten()
+            st = EagleState(PrefixState(), hidden[-1], hidden.shape[0] - 1)
+            if hidden.shape[0] > 1:
+                self.compute.eagle.extend(st.kv, hidden[:-1], self.embed_tokens(ids[1: hidden.shape[0]]).to(self.dtype))
+            return st, st
         if self.compute.prefix is None:
             return None, hidden[-1]
         state = PrefixState(dtype=self.prefix_dtype)
         out = self.compute.prefix(hidden[None], state)
         return state, out[0, -1]
 
-    def advance(self, state: Optional[PrefixState], hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Feed newly accepted base hidden states [a, h]; returns the new head feature [h]."""
+    def advance(self, state, hidden: torch.Tensor, last: torch.Tensor, tokens: Optional[torch.Tensor] = None):
+        """Feed newly accepted base hidden states [a, h] (tokens [a]: the accepted path's tokens,
+        the root first; EAGLE heads only); returns the new head feature."""
+        if isinstance(state, EagleState):
+            if tokens is None:
+                raise ValueError("EAGLE heads need the accepted tokens to advance")
+            tokens, hidden = tokens.to(self.device).flatten(), hidden.to(self.dtype)
+            feats, toks = [hidden[:-1]], [tokens[1:]]
+            if state.kv.length == state.position:  # no draft from row t this step: add it now
+                feats, toks = [state.hidden[None]] + feats, [tokens[:1]] + toks
+            f = torch.cat(feats)
+            if f.shape[0]:
+                self.compute.eagle.extend(state.kv, f, self.embed_tokens(torch.cat(toks)).to(self.dtype))
+            state.hidden, state.position = hidden[-1], state.position + hidden.shape[0]
+            state.root = state.root_out = None
+            return state
         if state is None:
             return last.to(self.dtype)
         return self.compute.prefix(hidden.to(self.dtype)[None], state)[0, -1]
@@ -497,6 +681,30 @@ class HeadRunner:
         packed kernels when the runner has them)."""
         z = self.compute.head_hidden(k, x)
         return self.compute.lm_heads[k](z) if self.lm is None else self.lm(z)
+
+    def _eagle_root(self, st: EagleState, root: torch.Tensor) -> torch.Tensor:
+        """The draft layer's output [h] at row t = (f_t, root), added to the context once per step."""
+        r = int(root)
+        if st.root != r:
+            st.kv.length = st.position  # a row t of another root (never in decoding) is replaced
+            emb = self.embed_tokens(root.view(1)).to(self.dtype)
+            st.root_out, st.root = self.compute.eagle.extend(st.kv, st.hidden[None], emb)[0], r
+        return st.root_out
+
+    def _eagle_rows(self, st: EagleState, outs: torch.Tensor, chain: tuple[list, list], sel: torch.Tensor,
+                    tok: torch.Tensor, depth: int) -> tuple[torch.Tensor, tuple[list, list]]:
+        """The next level's draft rows: parents sel [R'] (rows of outs [R, h]) reading their drafted
+        tokens tok [R'] at position t + depth; each attends to the context and its own chain
+        (chain: per earlier level, keys and values [1, Hkv, R, d] aligned with outs).
+        Returns (their output features [R', h], their chains)."""
+        layer = self.compute.eagle
+        pos = torch.full((1,), st.position + depth, device=self.device)
+        x, q, k, v = layer.rows(outs[sel][None], self.embed_tokens(tok).to(outs.dtype)[None], pos)
+        ck = [c.index_select(2, sel) for c in chain[0]] + [k]
+        cv = [c.index_select(2, sel) for c in chain[1]] + [v]
+        n = st.kv.length
+        att = chain_attention(q, st.kv.keys[:, :, :n], st.kv.values[:, :, :n], None, ck, cv, layer.scale)
+        return layer.finish(x, att)[0], (ck, cv)
 
     def _map(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.draft_vocab is None else self.draft_vocab[idx]
@@ -534,8 +742,13 @@ class HeadRunner:
                     probs[nodes] = lp[top.indices[ranks]].exp()
                     ents[nodes] = -(lp.exp() * lp).sum()
             return Draft(tokens, probs, ents)
-        # Hydra: rows = expanded nodes of the previous level, features grow by one embedding
-        rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
+        # Hydra: rows = expanded nodes of the previous level, features grow by one embedding;
+        # EAGLE: rows = the draft layer's outputs at the expanded nodes of the previous level
+        eagle = self.compute.eagle is not None
+        if eagle:
+            rows, chain = self._eagle_root(feature, root)[None], ([], [])  # [1, h]
+        else:
+            rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None]  # [1, 2h]
         for d in range(1, D + 1):
             if d == 1 and first_logits is not None:
                 logits = first_logits[None]
@@ -551,7 +764,9 @@ class HeadRunner:
                 probs[nodes] = lp[prow, idx].exp()
                 ents[nodes] = (-(lp.exp() * lp).sum(-1))[prow]
             exp = buf.level_expand[d]
-            if d < D and exp.numel():
+            if d < D and exp.numel() and eagle:
+                rows, chain = self._eagle_rows(feature, rows, chain, prow[exp], tok[exp], d)
+            elif d < D and exp.numel():
                 emb = self.embed_tokens(tok[exp]).to(rows.dtype)
                 rows = torch.cat([rows[prow[exp]], emb], dim=-1)
         return Draft(tokens, probs, ents)
@@ -567,8 +782,12 @@ class HeadRunner:
         Returns the tree and its draft (tokens, probabilities, entropies in canonical order).
         """
         D = min(depth, self.config.num_heads)
-        hydra = self.config.kind == "hydra"
-        rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
+        eagle = self.compute.eagle is not None
+        hydra = self.config.kind == "hydra" or eagle  # a row per kept node
+        if eagle:
+            rows, chain = self._eagle_root(feature, root)[None], ([], [])
+        else:
+            rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
         parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
         for d in range(1, D + 1):
@@ -588,8 +807,11 @@ class HeadRunner:
             keep = level[:beam]
             if d < D and hydra:
                 sel = torch.tensor([x[2] for x in keep], device=rows.device)
-                emb = self.embed_tokens(torch.tensor([x[3] for x in keep], device=rows.device)).to(rows.dtype)
-                rows = torch.cat([rows[sel], emb], dim=-1)
+                tok = torch.tensor([x[3] for x in keep], device=rows.device)
+                if eagle:
+                    rows, chain = self._eagle_rows(feature, rows, chain, sel, tok, d)
+                else:
+                    rows = torch.cat([rows[sel], self.embed_tokens(tok).to(rows.dtype)], dim=-1)
             parents = [(x[0], x[1]) for x in keep]
         ranked = sorted(cand, key=lambda q: (-cand[q][0], len(q), q))
         chosen: set[tuple[int, ...]] = set()
@@ -608,6 +830,8 @@ class HeadRunner:
     @torch.no_grad()
     def first_level(self, feature: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """Head 0's draft logits at the root [V_draft] (a scheduler signal of this step)."""
+        if self.compute.eagle is not None:
+            return self.head_logits(0, self._eagle_root(feature, root)[None])[0]
         x = feature[None] if self.config.kind == "medusa" else torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None]
         return self.head_logits(0, x)[0]
 
@@ -645,4 +869,5 @@ def approx_bytes(heads: DraftHeads) -> int:
 
 
 __all__ = ["HeadsConfig", "DraftHeads", "HeadRunner", "Draft", "PrefixState", "ResBlock", "PrefixLayer",
+           "EagleLayer", "EagleState", "chain_attention",
            "with_draft_vocab", "count_parameters", "approx_bytes"]

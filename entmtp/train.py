@@ -84,7 +84,7 @@ __all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
 
 # kind label -> (HeadsConfig.kind, prefix_layer, directory suffix)
 KINDS = {"medusa": ("medusa", False, "medusa"), "hydra": ("hydra", False, "hydra"),
-         "hydra++": ("hydra", True, "hydrapp")}
+         "hydra++": ("hydra", True, "hydrapp"), "eagle": ("eagle", False, "eagle")}
 _KIND_ALIASES = {"hydrapp": "hydra++", "hydra_pp": "hydra++", "hydra-pp": "hydra++", "hydraplusplus": "hydra++"}
 FEATURE_FORMAT = "entmtp-features/1"
 SELFDISTILL_FORMAT = 1
@@ -167,11 +167,11 @@ def parse_kinds(text: str) -> list[str]:
             continue
         k = _KIND_ALIASES.get(k, k)
         if k not in KINDS:
-            raise TrainError(f"unknown head kind {raw.strip()!r} in --heads; use medusa, hydra, hydra++ (comma-separated)")
+            raise TrainError(f"unknown head kind {raw.strip()!r} in --heads; use medusa, hydra, hydra++, eagle (comma-separated)")
         if k not in kinds:
             kinds.append(k)
     if not kinds:
-        raise TrainError("--heads is empty; use medusa, hydra, hydra++ (comma-separated)")
+        raise TrainError("--heads is empty; use medusa, hydra, hydra++, eagle (comma-separated)")
     return kinds
 
 
@@ -911,9 +911,12 @@ def head_inputs(kind: str, feat: torch.Tensor, emb: Optional[torch.Tensor], bi: 
     """Inputs of head k at positions (bi, ti) — the rows `DraftHeads.training_logits` builds.
 
     feat [B, T, h] head features (base hidden states, after the Hydra++ prefix layer if
-    any); emb [B, T, h] base embeddings of the tokens (Hydra only).
-    Medusa: h_t.  Hydra: cat[h_t, E(x_{t+1}), ..., E(x_{t+k+1})].
+    any; EAGLE: a list, the draft layer's output after each step); emb [B, T, h] base
+    embeddings of the tokens (Hydra only).
+    Medusa: h_t.  Hydra: cat[h_t, E(x_{t+1}), ..., E(x_{t+k+1})].  EAGLE: step k's output at t.
     """
+    if kind == "eagle":
+        return feat[k][bi, ti]
     x = feat[bi, ti]
     if kind == "medusa":
         return x
@@ -935,7 +938,10 @@ class _HeadsTrainer(nn.Module):
         self.lm_loss_w = lm_loss_w
         self.teacher_loss_w = teacher_loss_w
 
-    def _features(self, heads: DraftHeads, hidden: torch.Tensor) -> torch.Tensor:
+    def _features(self, heads: DraftHeads, hidden: torch.Tensor, emb: torch.Tensor):
+        """What `head_inputs` reads: the Hydra++ layer's output, EAGLE's unrolled steps, or hidden."""
+        if heads.eagle is not None:
+            return heads.eagle.unroll(hidden, emb, heads.num_heads)
         return heads.prefix(hidden) if heads.prefix is not None else hidden
 
     def forward(self, batch: dict[str, torch.Tensor], norms: torch.Tensor, scale: float):
@@ -946,7 +952,7 @@ class _HeadsTrainer(nn.Module):
         total = hidden.new_zeros(())
         stats: dict[str, torch.Tensor] = {}
         for suffix, heads in self.heads.items():
-            feat = self._features(heads, hidden)
+            feat = self._features(heads, hidden, emb)
             K = heads.num_heads
             st = torch.zeros(K, 5, dtype=torch.float64, device=hidden.device)  # n, n_lm, lm_sum, t_sum, top1
             kind_loss = hidden.new_zeros(())
@@ -982,7 +988,7 @@ class _HeadsTrainer(nn.Module):
         greedy_d = self.remap[batch["greedy"].clamp_min(0)]
         out = {}
         for suffix, heads in self.heads.items():
-            feat = self._features(heads, hidden)
+            feat = self._features(heads, hidden, emb)
             K = heads.num_heads
             counts = torch.zeros(K, 3, dtype=torch.float64, device=hidden.device)
             correct = torch.zeros(K, B, T, dtype=torch.bool, device=hidden.device)

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from conftest import FAMILIES, random_heads, tiny_model
 from peaked import attention_entropy, peaked_model
 from entmtp.acceptance import Sampling, TypicalRule
-from entmtp.decoding import ContextError, DecodeConfig, Engine
-from entmtp.heads import Draft
+from entmtp.decoding import ROOT_ONLY, ContextError, DecodeConfig, Engine
+from entmtp.heads import Draft, HeadRunner
+from entmtp.scheduler import Decision as _Decision
 from entmtp.trees import Tree, resolve_tree
 from entmtp.verify import UnsupportedModelError
 
@@ -34,6 +35,7 @@ def engine_for(family: str, attn: str = "sdpa") -> Engine:
         "hydra": random_heads(m, "hydra", num_heads=6, seed=2),
         "hydra++": random_heads(m, "hydra", num_heads=6, prefix=True, seed=3),
         "hydra-dv": random_heads(m, "hydra", num_heads=6, seed=4, draft_vocab_size=12),
+        "eagle": random_heads(m, "eagle", num_heads=6, seed=5),
     }
     with torch.no_grad():
         heads["hydra-dv"].draft_vocab.copy_(torch.arange(0, VOCAB, 2))
@@ -76,7 +78,7 @@ def trees(draw, max_depth=6, max_nodes=24):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv"]),
+@given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv", "eagle"]),
        prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=20), n=st.integers(1, 40),
        lookup=st.sampled_from([0, 0, 2, 8]))
 def test_greedy_equals_generate(family, tree, heads, prompt, n, lookup):
@@ -305,3 +307,54 @@ def test_prefix_layer_steps_equal_one_causal_pass(dtype):
     assert state.length == 150 and state.keys.shape[-2] >= 150
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=tol, atol=tol)
+
+
+def _eagle_runner():
+    m = peaked_model("llama", vocab=VOCAB, seed=3)
+    return m, HeadRunner(random_heads(m, "eagle", num_heads=4, seed=7), m, draft_dtype=torch.float32, kernels="stock")
+
+
+def test_eagle_drafting_follows_the_training_unroll():
+    """EAGLE's draft rows at decoding time (the root row in the layer's context, deeper rows
+    attending to the context and their own chain) compute what training optimises: along the
+    true continuation, level k's logits equal `training_logits`' step k at that position."""
+    m, runner = _eagle_runner()
+    torch.manual_seed(0)
+    ids = torch.randint(2, VOCAB, (1, 30))
+    with torch.no_grad():
+        hid = m(ids, output_hidden_states=True).hidden_states[-1]
+        ref = runner.heads.training_logits(hid, ids, m.get_input_embeddings(), runner.lm_weight)
+        for t in (0, 11, 20):
+            state, feature = runner.start(hid[0, : t + 1], ids[0, : t + 1])
+            logits = runner.first_level(feature, ids[0, t + 1])
+            torch.testing.assert_close(logits, ref[0][0, t], rtol=1e-5, atol=1e-5)
+            rows, chain = runner._eagle_root(feature, ids[0, t + 1])[None], ([], [])
+            for k in range(1, 4):
+                rows, chain = runner._eagle_rows(feature, rows, chain, torch.tensor([0]), ids[0, t + k + 1].view(1), k)
+                torch.testing.assert_close(runner.head_logits(k, rows)[0], ref[k][0, t], rtol=1e-5, atol=1e-5)
+
+
+def test_eagle_context_after_decoding_equals_one_pass():
+    """After a generation (tree steps, root-only steps, rejected branches), the draft layer's
+    context holds exactly the rows of one causal pass over prompt + output: accepted positions
+    read the base's real features, drafted rows never stay."""
+    m = peaked_model("llama", vocab=VOCAB, seed=3)
+    eng = Engine(m, None)
+    runner = eng.runners["eagle"] = HeadRunner(random_heads(m, "eagle", num_heads=4, seed=7), m,
+                                               draft_dtype=torch.float32, kernels="stock")
+    prompt = [3, 9, 4, 17, 5, 6]
+    steps = iter([resolve_tree("mc_sim_7b_63"), ROOT_ONLY, Tree.from_paths([[0], [1], [0, 0]])] * 20)
+    gen = eng.generate(prompt, heads="eagle", tree=resolve_tree("mc_sim_7b_63"), config=DecodeConfig(max_new_tokens=30, eos_token_ids=()))
+    gen.scheduler = _Override(gen.scheduler, choose=lambda sig: _Decision(next(steps)))
+    for _ in gen:
+        pass
+    st = gen.feature
+    seq = prompt + gen.tokens[:-1]  # the last token is the pending root (no hidden state yet)
+    assert st.position == len(seq) - 1 and st.kv.length == st.position
+    with torch.no_grad():
+        hid = m(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+        fresh, _ = runner.start(hid, torch.tensor(seq))
+    n = fresh.kv.length
+    assert n == st.kv.length
+    torch.testing.assert_close(st.kv.keys[:, :, :n], fresh.kv.keys[:, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.hidden, fresh.hidden, rtol=1e-4, atol=1e-5)

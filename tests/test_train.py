@@ -133,18 +133,19 @@ def test_lr_schedule_warmup_cosine():
 
 
 def test_parse_kinds_and_errors():
-    assert T.parse_kinds("medusa, Hydra,hydrapp,hydra") == ["medusa", "hydra", "hydra++"]
-    with pytest.raises(T.TrainError, match="unknown head kind 'eagle'"):
-        T.parse_kinds("medusa,eagle")
+    assert T.parse_kinds("medusa, Hydra,hydrapp,hydra,EAGLE") == ["medusa", "hydra", "hydra++", "eagle"]
+    with pytest.raises(T.TrainError, match="unknown head kind 'medusa2'"):
+        T.parse_kinds("medusa,medusa2")
 
 
-@pytest.mark.parametrize("kind,prefix", [("medusa", False), ("hydra", False), ("hydra", True)])
+@pytest.mark.parametrize("kind,prefix", [("medusa", False), ("hydra", False), ("hydra", True), ("eagle", False)])
 def test_head_inputs_match_training_logits(kind, prefix):
     """The gathered per-position rows give exactly DraftHeads.training_logits."""
     torch.manual_seed(0)
+    layer = prefix or kind == "eagle"
     cfg = HeadsConfig(kind=kind, num_heads=3, hidden_size=16, vocab_size=40, prefix_layer=prefix,
-                      num_attention_heads=4 if prefix else 0, num_key_value_heads=2 if prefix else 0,
-                      intermediate_size=32 if prefix else 0)
+                      num_attention_heads=4 if layer else 0, num_key_value_heads=2 if layer else 0,
+                      intermediate_size=32 if layer else 0)
     heads = DraftHeads(cfg)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -152,8 +153,8 @@ def test_head_inputs_match_training_logits(kind, prefix):
     lm = torch.randn(40, 16)
     hidden, ids = torch.randn(2, 9, 16), torch.randint(0, 40, (2, 9))
     ref = heads.training_logits(hidden, ids, embed, lm)
-    feat = heads.prefix(hidden) if heads.prefix is not None else hidden
     emb = embed(ids)
+    feat = T._HeadsTrainer._features(None, heads, hidden, emb)
     for k in range(3):
         bi, ti = torch.ones(2, 9 - k - 2, dtype=torch.bool).nonzero(as_tuple=True)
         got = heads.head_logits(k, T.head_inputs(kind, feat, emb, bi, ti, k), lm)
@@ -200,10 +201,11 @@ def test_step_indexed_order_is_deterministic():
 
 # ------------------------------------------------------------------------------------- end to end
 def test_training_lowers_loss_saves_and_reloads(tiny_dir, data_file, tmp_path):
-    args = _args(tiny_dir, data_file, tmp_path, "--max-steps", "30", "--draft-vocab", "20", "--eval-every", "10")
+    args = _args(tiny_dir, data_file, tmp_path, "--max-steps", "30", "--draft-vocab", "20", "--eval-every", "10",
+                 "--heads", "medusa,hydra,hydra++,eagle")
     res = T.run_training(args)
     rep = res.report
-    for label in ("medusa", "hydra", "hydra++"):
+    for label in ("medusa", "hydra", "hydra++", "eagle"):
         losses = _train_losses(rep, label)
         assert len(losses) == 30
         assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, (label, losses)
@@ -214,7 +216,7 @@ def test_training_lowers_loss_saves_and_reloads(tiny_dir, data_file, tmp_path):
     assert sum("eval" in h for h in rep["history"]) == 3  # steps 10, 20 and the final one
     out = tmp_path / "run-out"
     assert {p.name for p in out.iterdir()} >= {"tiny-llama0-medusa", "tiny-llama0-hydra", "tiny-llama0-hydrapp",
-                                                 "train_report.json", "train_report.md"}
+                                                 "tiny-llama0-eagle", "train_report.json", "train_report.md"}
     assert json.loads((out / "train_report.json").read_text())["steps"] == 30
     # reload: identical outputs
     torch.manual_seed(1)
@@ -227,7 +229,7 @@ def test_training_lowers_loss_saves_and_reloads(tiny_dir, data_file, tmp_path):
         assert torch.equal(loaded.draft_vocab, trained.draft_vocab)
         meta = loaded.meta
         assert meta["steps"] == 30 and meta["data_sha256"] and meta["metrics"]["tau_chain"] > 0
-        assert loaded.config.prefix_layer == (label == "hydra++")
+        assert loaded.config.prefix_layer == (label == "hydra++") and loaded.config.label == label
         lm = torch.randn(loaded.config.draft_vocab_size, 32)
         with torch.no_grad():
             a = trained.training_logits(hidden, ids, embed, lm)
@@ -431,7 +433,7 @@ def test_errors_are_one_line(tiny_dir, data_file, tmp_path):
     noans = tmp_path / "noans.txt"
     noans.write_text("what is a cat\nwhat is a dog\n")
     assert "--self-distill" in err(data=noans)
-    assert "unknown head kind" in err("--heads", "medusa,eagle")
+    assert "unknown head kind" in err("--heads", "medusa,eagle3")
     assert "--batch-size" in err("--batch-size", "0")
     assert "does not exist" in err("--model", str(tmp_path / "no-model"))
 
