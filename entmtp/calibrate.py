@@ -744,6 +744,9 @@ def head_ranks(runner, hidden: torch.Tensor, tokens: Sequence[int], start: int, 
     f = feats[start:start + n]
     tok = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)
     emb = runner.embed(tok).to(f.dtype)
+    steps = None
+    if heads.eagle is not None:  # the draft layer's k-th step along the true continuation, as decoding drafts it
+        steps = [s[0, start:start + n] for s in heads.eagle.unroll(hidden[None], emb[None], K)]
     t = torch.arange(start, start + n, device=dev)
     ranks = torch.full((n, K), max_rank, dtype=torch.long, device=dev)
     inv = None
@@ -756,7 +759,8 @@ def head_ranks(runner, hidden: torch.Tensor, tokens: Sequence[int], start: int, 
     for k in range(K):
         if cfg.kind == "hydra":
             x = torch.cat([x, emb[t + k + 1]], -1)
-        logits = heads.head_logits(k, x if cfg.kind == "hydra" else f, runner.lm_weight).float()
+        logits = heads.head_logits(k, steps[k] if steps is not None else x if cfg.kind == "hydra" else f,
+                                   runner.lm_weight).float()
         target = tok[t + k + 2]
         if inv is not None:
             target = inv[target]

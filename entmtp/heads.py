@@ -331,24 +331,23 @@ def chain_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, a
     q [B, H, T, d]; k_ctx / v_ctx [B, Hkv, S, d]; allow [T, S] bool (None: every context key);
     chain_k / chain_v: lists of [B, Hkv, T, d] whose row i belongs to query row i's chain (its
     ancestors in the tree and itself). -> [B, H, T, d]; scores and softmax in float32.
+    Grouped-query heads (H = Hkv * rep, query head h reads kv head h // rep) are folded into
+    the rows, so the keys are never copied per query head.
     """
-    rep = q.shape[1] // k_ctx.shape[1]
-
-    def grow(t: torch.Tensor) -> torch.Tensor:  # grouped-query: one kv head serves `rep` query heads
-        return (t.repeat_interleave(rep, dim=1) if rep > 1 else t).float()
-
-    qf = q.float()
-    s = torch.matmul(qf, grow(k_ctx).transpose(-1, -2)) * scale  # [B, H, T, S]
+    B, H, T, d = q.shape
+    G, S = k_ctx.shape[1], k_ctx.shape[-2]
+    rep = H // G
+    qg = q.float().reshape(B, G, rep, T, d)
+    s = torch.matmul(qg.reshape(B, G, rep * T, d), k_ctx.float().transpose(-1, -2)).view(B, G, rep, T, S) * scale
     if allow is not None:
         s = s.masked_fill(~allow, float("-inf"))
     if chain_k:
-        s = torch.cat([s, torch.stack([(qf * grow(k)).sum(-1) for k in chain_k], -1) * scale], -1)
+        s = torch.cat([s, torch.stack([(qg * k.float()[:, :, None]).sum(-1) for k in chain_k], -1) * scale], -1)
     w = torch.softmax(s, -1)
-    n_ctx = k_ctx.shape[-2]
-    out = torch.matmul(w[..., :n_ctx], grow(v_ctx))
+    out = torch.matmul(w[..., :S].reshape(B, G, rep * T, S), v_ctx.float()).view(B, G, rep, T, d)
     for i, v in enumerate(chain_v):
-        out = out + w[..., n_ctx + i, None] * grow(v)
-    return out.to(q.dtype)
+        out = out + w[..., S + i, None] * v.float()[:, :, None]
+    return out.reshape(B, H, T, d).to(q.dtype)
 
 
 class EagleLayer(nn.Module):
@@ -446,7 +445,7 @@ class EagleLayer(nn.Module):
         past, n = state.length, feat.shape[0]
         pos = torch.arange(past, past + n, device=feat.device)
         x, q, k, v = self.rows(feat[None], emb[None], pos)
-        keys, values = state.append(k, v)
+        keys, values = state.append(k.float(), v.float())  # float32: every later draft row reads them as such
         allow = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=feat.device).tril(diagonal=past)
         return self.finish(x, chain_attention(q, keys, values, allow, [], [], self.scale))[0]
 

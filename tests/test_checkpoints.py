@@ -300,6 +300,7 @@ PREFIX = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=24
     ("hydra++", dict(kind="hydra", num_heads=2, num_layers=2, prefix_layer=True, **PREFIX)),
     ("draft-vocab", dict(kind="hydra", num_heads=2, draft_vocab_size=12, shared_lm_head=False)),
     ("shared-lm-head", dict(kind="hydra", num_heads=2, num_layers=2, draft_vocab_size=12)),
+    ("eagle", dict(kind="eagle", num_heads=3, draft_vocab_size=12, **PREFIX)),
 ])
 def test_our_format_round_trip(tmp_path, name, kw):
     cfg = HeadsConfig(hidden_size=H, vocab_size=V, **kw)

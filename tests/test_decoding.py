@@ -358,3 +358,49 @@ def test_eagle_context_after_decoding_equals_one_pass():
     assert n == st.kv.length
     torch.testing.assert_close(st.kv.keys[:, :, :n], fresh.kv.keys[:, :, :n], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(st.hidden, fresh.hidden, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_head_ranks_are_the_drafts_ranks_along_the_true_continuation(kind):
+    """The tree search's acceptance statistics (`calibrate.head_ranks`) rank the true next tokens
+    under each level's draft logits as decoding computes them, for every kind of heads."""
+    from entmtp.calibrate import head_ranks
+    m = peaked_model("llama", vocab=VOCAB, seed=3)
+    heads = random_heads(m, kind, num_heads=3, seed=8)
+    runner = HeadRunner(heads, m, draft_dtype=torch.float32, kernels="stock")
+    torch.manual_seed(1)
+    ids = torch.randint(2, VOCAB, (1, 25))
+    with torch.no_grad():
+        hid = m(ids, output_hidden_states=True).hidden_states[-1]
+        ref = heads.training_logits(hid, ids, m.get_input_embeddings(), runner.lm_weight)
+    ranks, _, _ = head_ranks(runner, hid[0], ids[0].tolist(), start=2, n=10, max_rank=5)
+    for k in range(3):
+        for i in range(10):
+            t = 2 + i
+            logits = ref[k][0, t]
+            assert int(ranks[i, k]) == min(5, int((logits > logits[ids[0, t + k + 2]]).sum()))
+
+
+@pytest.mark.parametrize("n_kv", [1, 3])
+def test_chain_attention_is_masked_attention_over_context_and_chain(n_kv):
+    """Grouped-query attention of draft rows over context keys (some masked) and each row's own
+    chain equals plain masked softmax attention over all those keys."""
+    from entmtp.heads import chain_attention
+    torch.manual_seed(0)
+    B, H, T, S, d = 2, 6, 5, 7, 8
+    q = torch.randn(B, H, T, d)
+    k_ctx, v_ctx = torch.randn(B, n_kv, S, d), torch.randn(B, n_kv, S, d)
+    chain_k = [torch.randn(B, n_kv, T, d) for _ in range(3)]
+    chain_v = [torch.randn(B, n_kv, T, d) for _ in range(3)]
+    allow = torch.rand(T, S) > 0.3
+    allow[:, 0] = True
+    got = chain_attention(q, k_ctx, v_ctx, allow, chain_k, chain_v, 0.3)
+    rep = H // n_kv
+    for b in range(B):
+        for h in range(H):
+            g = h // rep
+            for t in range(T):
+                keys = torch.cat([k_ctx[b, g][allow[t]]] + [c[b, g, t][None] for c in chain_k])
+                vals = torch.cat([v_ctx[b, g][allow[t]]] + [c[b, g, t][None] for c in chain_v])
+                want = torch.softmax(keys @ q[b, h, t] * 0.3, 0) @ vals
+                torch.testing.assert_close(got[b, h, t], want, rtol=1e-5, atol=1e-5)
