@@ -181,7 +181,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="dtype of the frozen base for generation and feature extraction "
                         "(bfloat16 is 2-3x faster on CPUs with AMX)")
     g.add_argument("--heads", default="medusa,hydra,hydra++",
-                   help="comma-separated head kinds trained jointly: medusa, hydra, hydra++")
+                   help="comma-separated head kinds trained jointly: medusa, hydra, hydra++, eagle "
+                        "(an EAGLE-style draft layer autoregressive over the base's features)")
     g.add_argument("--num-heads", type=int, default=4, help="heads per kind (draft depth)")
     g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     g.add_argument("--init-from", default=None, metavar="DIR",

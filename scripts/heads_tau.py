@@ -2,6 +2,7 @@
 
     python scripts/heads_tau.py                         # the shipped heads
     python scripts/heads_tau.py --heads-root runs/heads-v7 --kinds hydra,hydra++
+    python scripts/heads_tau.py --heads-dir runs/heads-eagle/smollm2-135m-eagle   # any trained heads beside them
 
 Greedy decoding, bfloat16, the papers' 63-node tree (`mc_sim_7b_63`) for every kind so that tree
 size does not hide head quality, no prompt lookup; tau = tokens per base forward, the bonus token
@@ -33,15 +34,16 @@ sys.path.insert(0, str(ROOT))
 import entmtp  # noqa: E402,F401  (sets the OpenMP wait policy before torch loads)
 from entmtp.data import load_prompts, render_prompt  # noqa: E402
 from entmtp.heads import with_draft_vocab  # noqa: E402
-from entmtp.methods import make_runner  # noqa: E402
+from entmtp.methods import CUSTOM, make_runner  # noqa: E402
 from entmtp.models import load_engine  # noqa: E402
 from entmtp.paths import DEFAULT_HEADS_DIR, HEAD_KINDS  # noqa: E402
 
 # Spec-Bench (Medusa, Hydra) and the Hydra paper (Hydra++), Vicuna-7B, greedy
-PAPERS = {"medusa": "2.31", "hydra": "3.26", "hydra++": "3.70"}
+PAPERS = {"medusa": "2.31", "hydra": "3.26", "hydra++": "3.70", "eagle": "3.57"}  # EAGLE: Spec-Bench
 
 
 def tau_on(engine, method: str, prompts: list, args) -> tuple[list[float], list[list[int]], list]:
+    # with user-supplied heads loaded (CUSTOM), every method with heads drafts with them
     """Per prompt: tau and the tokens; and every decoding step (draft timing, acceptance)."""
     runner = make_runner(engine, method, args.max_new_tokens, tree=args.tree if method != "baseline" else None,
                          lookup=0, progress=None)
@@ -58,7 +60,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads-root", type=Path, default=DEFAULT_HEADS_DIR,
                     help="directory of smollm2-135m-<kind> heads (default: the shipped ones)")
-    ap.add_argument("--kinds", default="medusa,hydra,hydra++")
+    ap.add_argument("--kinds", default="medusa,hydra,hydra++", help="shipped-style kinds under --heads-root ('' for none)")
+    ap.add_argument("--heads-dir", type=Path, action="append", default=[],
+                    help="a trained heads directory of any kind (e.g. EAGLE heads from `entmtp train --heads eagle`), "
+                         "measured beside the kinds; repeatable")
     ap.add_argument("--heldout", type=Path, default=ROOT / "entmtp" / "prompts" / "heldout_chat.jsonl")
     ap.add_argument("--calib", type=Path, default=ROOT / "runs" / "calib_prompts.jsonl")
     ap.add_argument("--n-calib", type=int, default=36, help="first N calibration prompts")
@@ -76,6 +81,9 @@ def main(argv=None) -> int:
     missing = [k for k in kinds if not (args.heads_root / HEAD_KINDS[k]).is_dir()]
     if missing:
         ap.error(f"no {missing[0]} heads under {args.heads_root} (expected {args.heads_root / HEAD_KINDS[missing[0]]})")
+    for d in args.heads_dir:
+        if not (d / "config.json").is_file():
+            ap.error(f"not a heads directory (no config.json): {d}")
     sets = {"held-out": args.heldout, "calibration": args.calib}
     for name, path in sets.items():
         if not path.is_file():
@@ -87,13 +95,20 @@ def main(argv=None) -> int:
     if args.full_vocab:
         for k in kinds:
             engine.add_heads(k, with_draft_vocab(engine.runners[k].heads, None))
+    # (label, engine, method): a kind by its own method, other heads as the engine's custom heads
+    measured = [(k, engine, k) for k in kinds]
+    for d in args.heads_dir:
+        extra = load_engine("default", {CUSTOM: str(d)}, dtype=args.dtype, progress=None)
+        if args.full_vocab:
+            extra.add_heads(CUSTOM, with_draft_vocab(extra.runners[CUSTOM].heads, None))
+        measured.append((f"{extra.runners[CUSTOM].label} ({d.name})", extra, "hydra"))
     t0 = time.perf_counter()
     plain = {s: tau_on(engine, "baseline", ps, args)[1] for s, ps in prompts.items()}
     rows, by_source = [], {}
-    for k in kinds:
+    for k, eng, method in measured:
         cells, same = {}, True
         for s, ps in prompts.items():
-            taus, outs, steps = tau_on(engine, k, ps, args)
+            taus, outs, steps = tau_on(eng, method, ps, args)
             cells[s] = statistics.mean(taus)
             same &= outs == plain[s]
             if s == "held-out":  # draft cost, first-draft acceptance and tau by source, held-out only
@@ -103,7 +118,7 @@ def main(argv=None) -> int:
                     by_source.setdefault(p.id.split("-")[0], {}).setdefault(k, []).append(t)
         rows.append((k, cells, same))
     vocab = "the whole vocabulary" if args.full_vocab else "their draft vocabulary"
-    print(f"heads: {args.heads_root}, drafting over {vocab}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
+    print(f"heads: {args.heads_root}{''.join(f', {d}' for d in args.heads_dir)}, drafting over {vocab}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
           f"no lookup; held-out {len(prompts['held-out'])} prompts ({args.heldout.name}), calibration "
           f"{len(prompts['calibration'])} ({args.calib.name}); {time.perf_counter() - t0:.0f} s\n")
     print("| heads | tau held-out | tau calibration | gap | first draft accepted (held-out steps) | draft ms a step "
@@ -112,7 +127,7 @@ def main(argv=None) -> int:
     for k, c, same in rows:
         gap = c["held-out"] / c["calibration"] - 1.0
         print(f"| {k} | {c['held-out']:.2f} | {c['calibration']:.2f} | {gap:+.0%} | {c['first']:.0%} | "
-              f"{c['draft_ms']:.1f} | {'yes' if same else 'NO'} | {PAPERS.get(k, '–')} |")
+              f"{c['draft_ms']:.1f} | {'yes' if same else 'NO'} | {PAPERS.get(k.split(' ')[0], '–')} |")
     print("\nheld-out tau by source (prompts): " + "; ".join(
         f"{src} ({len(next(iter(per.values())))}): " + ", ".join(f"{k} {statistics.mean(v):.2f}" for k, v in per.items())
         for src, per in by_source.items()))
