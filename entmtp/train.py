@@ -647,8 +647,8 @@ def _load_init(heads: DraftHeads, init: DraftHeads) -> None:
         raise TrainError(f"--init-from: the heads' weights do not fit this run (missing {sorted(set(missing) - added)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
     with torch.no_grad():
-        for k in range(heads.num_heads):
-            for block in heads.blocks[k][old_layers:]:
+        for blocks in heads.blocks:  # none for EAGLE heads (one draft layer, no per-head blocks)
+            for block in blocks[old_layers:]:
                 block.linear.weight.zero_()
                 block.linear.bias.zero_()
 

@@ -260,19 +260,20 @@ def test_resume_continues_exactly(tiny_dir, data_file, tmp_path):
 
 def test_init_from_fine_tunes_trained_heads(tiny_dir, data_file, tmp_path):
     """--init-from starts every kind from trained heads (their draft vocabulary kept) and trains on."""
-    first = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "20", "--draft-vocab", "20", tag="a"))
+    kinds = ("--heads", "medusa,hydra,hydra++,eagle")
+    first = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "20", "--draft-vocab", "20", *kinds, tag="a"))
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
     # a tiny learning rate: the fine-tuned heads stay next to the ones they started from
     tuned = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
-                                 "--init-from", str(tmp_path / "a-out"), tag="b"))
+                                 "--init-from", str(tmp_path / "a-out"), *kinds, tag="b"))
     AcceleratorState._reset_state(True)
     fresh = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
-                                 "--draft-vocab", "20", tag="c"))
+                                 "--draft-vocab", "20", *kinds, tag="c"))
     assert tuned.report["recipe"]["init_from"] == str(tmp_path / "a-out")
     assert f"started from the heads in `{tmp_path / 'a-out'}`" in (tmp_path / "b-out" / "train_report.md").read_text()
-    for label in ("medusa", "hydra", "hydra++"):
+    for label in ("medusa", "hydra", "hydra++", "eagle"):
         start, now = first.heads[label], tuned.heads[label]
         assert torch.equal(now.draft_vocab, start.draft_vocab)
         for (n, a), (_, b) in zip(start.state_dict().items(), now.state_dict().items()):
