@@ -194,11 +194,10 @@ class PrefixState:
         return self.keys[:, :, :need], self.values[:, :, :need]
 
 
-class PrefixLayer(nn.Module):
-    """Hydra++: one causal Llama-style decoder layer (+ final norm) over base hidden states.
-
-    Parameter names follow Llama's so that published `prefix_embeding_layer.*` weights load.
-    """
+class DecoderLayerWeights(nn.Module):
+    """The weights of one Llama-style decoder layer plus a final norm (Llama's parameter names, so
+    that published `prefix_embeding_layer.*` weights load) and its RoPE frequencies; the Hydra++
+    and EAGLE layers compute with them."""
 
     def __init__(self, cfg: HeadsConfig):
         super().__init__()
@@ -224,6 +223,10 @@ class PrefixLayer(nn.Module):
             d = self.head_dim
             inv = self._inv_freq[device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
         return inv
+
+
+class PrefixLayer(DecoderLayerWeights):
+    """Hydra++: one causal Llama-style decoder layer (+ final norm) over base hidden states."""
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
         """x [B, T, h] new hidden states (continuing `state` if given) -> [B, T, h].
@@ -350,7 +353,7 @@ def chain_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, a
     return out.reshape(B, H, T, d).to(q.dtype)
 
 
-class EagleLayer(nn.Module):
+class EagleLayer(DecoderLayerWeights):
     """EAGLE's draft layer: fc[feature, embedding] (2h -> h), then one causal Llama-style decoder
     layer and a final norm. Its output at a row is the next row's feature and, scored by the
     base lm_head, the draft of the token after the row's token.
@@ -360,37 +363,16 @@ class EagleLayer(nn.Module):
     """
 
     def __init__(self, cfg: HeadsConfig):
-        super().__init__()
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        kvh = cfg.num_key_value_heads or nh
-        self.n_heads, self.n_kv, self.head_dim, self.theta = nh, kvh, h // nh, cfg.rope_theta
+        super().__init__(cfg)
+        h = cfg.hidden_size
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.fc = nn.Linear(2 * h, h)
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, nh * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, kvh * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(nh * self.head_dim, h, bias=False)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :h] = torch.eye(h)
             self.fc.bias.zero_()
             self.o_proj.weight.zero_()
             self.down_proj.weight.zero_()
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        """RoPE frequencies [head_dim / 2], float32, cached per device."""
-        inv = self._inv_freq.get(device)
-        if inv is None:
-            d = self.head_dim
-            inv = self._inv_freq[device] = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        return inv
 
     def rows(self, feat: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
         """feat, emb [B, T, h]; pos [T] positions -> (residual stream x [B, T, h], rotated
@@ -867,6 +849,6 @@ def approx_bytes(heads: DraftHeads) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
-__all__ = ["HeadsConfig", "DraftHeads", "HeadRunner", "Draft", "PrefixState", "ResBlock", "PrefixLayer",
+__all__ = ["HeadsConfig", "DraftHeads", "HeadRunner", "Draft", "PrefixState", "ResBlock", "DecoderLayerWeights", "PrefixLayer",
            "EagleLayer", "EagleState", "chain_attention",
            "with_draft_vocab", "count_parameters", "approx_bytes"]
