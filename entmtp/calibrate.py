@@ -738,15 +738,16 @@ def head_ranks(runner, hidden: torch.Tensor, tokens: Sequence[int], start: int, 
     heads, cfg = runner.heads, runner.config
     K = cfg.num_heads
     dev = hidden.device
-    feats = hidden = hidden.to(runner.dtype)
-    if heads.prefix is not None:
-        feats = heads.prefix(hidden[None])[0]
-    f = feats[start:start + n]
+    hidden = hidden.to(runner.dtype)
     tok = torch.as_tensor(list(tokens), dtype=torch.long, device=dev)
-    emb = runner.embed(tok).to(f.dtype)
+    emb = runner.embed(tok).to(hidden.dtype)
+    feats = heads.features(hidden[None], emb[None])
     steps = None
     if heads.eagle is not None:  # the draft layer's k-th step along the true continuation, as decoding drafts it
-        steps = [s[0, start:start + n] for s in heads.eagle.unroll(hidden[None], emb[None], K)]
+        steps = [s[0, start:start + n] for s in feats]
+        f = steps[0]
+    else:
+        f = feats[0, start:start + n]
     t = torch.arange(start, start + n, device=dev)
     ranks = torch.full((n, K), max_rank, dtype=torch.long, device=dev)
     inv = None

@@ -481,6 +481,15 @@ class DraftHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    def features(self, hidden: torch.Tensor, emb: Optional[torch.Tensor]):
+        """What the heads read, teacher-forced over whole sequences: hidden [B, T, h] base hidden
+        states, emb [B, T', h] embeddings of the tokens (T' >= T; EAGLE only). The Hydra++ layer's output
+        [B, T, h]; for EAGLE a list, the draft layer's output after each of its `num_heads` steps
+        (`EagleLayer.unroll`); else hidden itself."""
+        if self.eagle is not None:
+            return self.eagle.unroll(hidden, emb, self.num_heads)
+        return self.prefix(hidden) if self.prefix is not None else hidden
+
     def head_hidden(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """Head k's blocks. x [..., in_k] -> [..., h] (EAGLE: x is already the drafted feature)."""
         if self.eagle is not None:
@@ -509,22 +518,20 @@ class DraftHeads(nn.Module):
         (Positions whose target would fall beyond T are dropped.) EAGLE: "head k" is the
         draft layer's k-th step along the true continuation (`EagleLayer.unroll`).
         """
-        if self.eagle is not None:
+        emb = None  # [B, T, h] base embeddings of the tokens, for the kinds that read them
+        if self.config.kind != "medusa":
             with torch.no_grad():
                 emb = embed(input_ids).to(hidden.dtype)
-            T = hidden.shape[1]
-            outs = self.eagle.unroll(hidden, emb, self.num_heads)
-            return [self.head_logits(k, o[:, : T - k - 1], lm_weight) for k, o in enumerate(outs) if T - k - 1 > 0]
-        if self.prefix is not None:
-            hidden = self.prefix(hidden)
         T = hidden.shape[1]
+        if self.eagle is not None:
+            outs = self.features(hidden, emb)
+            return [self.head_logits(k, o[:, : T - k - 1], lm_weight) for k, o in enumerate(outs) if T - k - 1 > 0]
+        hidden = self.features(hidden, emb)
         out = []
         if self.config.kind == "medusa":
             for k in range(self.num_heads):
                 out.append(self.head_logits(k, hidden[:, : T - k - 1], lm_weight))
             return out
-        with torch.no_grad():
-            emb = embed(input_ids).to(hidden.dtype)  # [B, T, h]
         feats = hidden
         for k in range(self.num_heads):
             n = T - k - 1  # positions t = 0..n-1 have x_{t+k+1} and a target x_{t+k+2}
@@ -745,11 +752,11 @@ class HeadRunner:
                 probs[nodes] = lp[prow, idx].exp()
                 ents[nodes] = (-(lp.exp() * lp).sum(-1))[prow]
             exp = buf.level_expand[d]
-            if d < D and exp.numel() and eagle:
-                rows, chain = self._eagle_rows(feature, rows, chain, prow[exp], tok[exp], d)
-            elif d < D and exp.numel():
-                emb = self.embed_tokens(tok[exp]).to(rows.dtype)
-                rows = torch.cat([rows[prow[exp]], emb], dim=-1)
+            if d < D and exp.numel():
+                if eagle:
+                    rows, chain = self._eagle_rows(feature, rows, chain, prow[exp], tok[exp], d)
+                else:
+                    rows = torch.cat([rows[prow[exp]], self.embed_tokens(tok[exp]).to(rows.dtype)], dim=-1)
         return Draft(tokens, probs, ents)
 
     @torch.no_grad()
@@ -764,11 +771,11 @@ class HeadRunner:
         """
         D = min(depth, self.config.num_heads)
         eagle = self.compute.eagle is not None
-        hydra = self.config.kind == "hydra" or eagle  # a row per kept node
+        per_node = self.config.kind == "hydra" or eagle  # a row per kept node (Medusa: one row)
         if eagle:
             rows, chain = self._eagle_root(feature, root)[None], ([], [])
         else:
-            rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if hydra else feature[None]
+            rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if per_node else feature[None]
         parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
         for d in range(1, D + 1):
@@ -779,14 +786,14 @@ class HeadRunner:
             vals, toks = top.values.tolist(), self._map(top.indices).tolist()
             level = []
             for i, (path, score) in enumerate(parents):
-                r = i if hydra else 0
+                r = i if per_node else 0
                 for j in range(topk):
                     q = path + (j,)
                     cand[q] = (score + vals[r][j], toks[r][j], math.exp(vals[r][j]), ent[r])
                     level.append((q, score + vals[r][j], i, toks[r][j]))
             level.sort(key=lambda x: -x[1])
             keep = level[:beam]
-            if d < D and hydra:
+            if d < D and per_node:
                 sel = torch.tensor([x[2] for x in keep], device=rows.device)
                 tok = torch.tensor([x[3] for x in keep], device=rows.device)
                 if eagle:

@@ -938,12 +938,6 @@ class _HeadsTrainer(nn.Module):
         self.lm_loss_w = lm_loss_w
         self.teacher_loss_w = teacher_loss_w
 
-    def _features(self, heads: DraftHeads, hidden: torch.Tensor, emb: torch.Tensor):
-        """What `head_inputs` reads: the Hydra++ layer's output, EAGLE's unrolled steps, or hidden."""
-        if heads.eagle is not None:
-            return heads.eagle.unroll(hidden, emb, heads.num_heads)
-        return heads.prefix(hidden) if heads.prefix is not None else hidden
-
     def forward(self, batch: dict[str, torch.Tensor], norms: torch.Tensor, scale: float):
         """Training loss. norms [K, 2] global counts (teacher positions, in-vocab lm positions)."""
         ids, amask, hidden = batch["ids"], batch["amask"], batch["hidden"]
@@ -952,7 +946,7 @@ class _HeadsTrainer(nn.Module):
         total = hidden.new_zeros(())
         stats: dict[str, torch.Tensor] = {}
         for suffix, heads in self.heads.items():
-            feat = self._features(heads, hidden, emb)
+            feat = heads.features(hidden, emb)
             K = heads.num_heads
             st = torch.zeros(K, 5, dtype=torch.float64, device=hidden.device)  # n, n_lm, lm_sum, t_sum, top1
             kind_loss = hidden.new_zeros(())
@@ -988,7 +982,7 @@ class _HeadsTrainer(nn.Module):
         greedy_d = self.remap[batch["greedy"].clamp_min(0)]
         out = {}
         for suffix, heads in self.heads.items():
-            feat = self._features(heads, hidden, emb)
+            feat = heads.features(hidden, emb)
             K = heads.num_heads
             counts = torch.zeros(K, 3, dtype=torch.float64, device=hidden.device)
             correct = torch.zeros(K, B, T, dtype=torch.bool, device=hidden.device)

@@ -154,7 +154,7 @@ def test_head_inputs_match_training_logits(kind, prefix):
     hidden, ids = torch.randn(2, 9, 16), torch.randint(0, 40, (2, 9))
     ref = heads.training_logits(hidden, ids, embed, lm)
     emb = embed(ids)
-    feat = T._HeadsTrainer._features(None, heads, hidden, emb)
+    feat = heads.features(hidden, emb)
     for k in range(3):
         bi, ti = torch.ones(2, 9 - k - 2, dtype=torch.bool).nonzero(as_tuple=True)
         got = heads.head_logits(k, T.head_inputs(kind, feat, emb, bi, ti, k), lm)
