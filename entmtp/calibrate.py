@@ -65,7 +65,7 @@ from .paths import cache_dir
 from .scheduler import Decision, Scheduler, StepSignals
 from .tuning import config_hash
 from .trees import Path_, Tree, TreeError, resolve_tree
-from .verify import last_positions
+from .verify import base_features, last_positions
 
 STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
@@ -667,12 +667,13 @@ def _entropy_prob_rows(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[list
 
 @torch.inference_mode()
 def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: RuleSpec, seeds: list[int],
-                    eos: set[int], need_after_eos: int) -> tuple[list[list[int]], list[torch.Tensor], list[list[tuple]]]:
+                    eos: set[int], need_after_eos: int,
+                    layers: Sequence[int] = ()) -> tuple[list[list[int]], list[torch.Tensor], list[list[tuple]]]:
     """Continue every prompt by `n_new` tokens with the rule's sampling (argmax for greedy),
     batched with left padding, not stopping at EOS (generation stops early once every row is
-    `need_after_eos` tokens past its first EOS). Returns per row the continuation, the last
-    hidden states of prompt + continuation positions [P + len - 1, h], and the root signals
-    (entropy, probability) of every continuation token."""
+    `need_after_eos` tokens past its first EOS). Returns per row the continuation, the heads'
+    features (`base_features` of `layers`) of prompt + continuation positions [P + len - 1, F],
+    and the root signals (entropy, probability) of every continuation token."""
     from transformers import DynamicCache
 
     model, dev = engine.model, engine.device
@@ -689,7 +690,7 @@ def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: Ru
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                 output_hidden_states=True, logits_to_keep=last_positions(Pm, 1, dev))
-    h0 = out.hidden_states[-1]
+    h0 = base_features(out.hidden_states, layers)
     hidden = [[h0[i, Pm - lens[i]:]] for i in range(B)]
     logits = out.logits[:, -1]
     gens = None
@@ -717,7 +718,7 @@ def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: Ru
         pos = pos[:, -1:] + 1
         out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                     output_hidden_states=True)
-        hl = out.hidden_states[-1][:, 0]
+        hl = base_features(out.hidden_states, layers)[:, 0]
         for i in range(B):
             hidden[i].append(hl[i:i + 1])
         logits = out.logits[:, -1]
@@ -730,7 +731,7 @@ def head_ranks(runner, hidden: torch.Tensor, tokens: Sequence[int], start: int, 
     """Ranks of the true continuation under the heads, for steps whose last accepted position
     is t = start .. start+n-1 (the root is tokens[t+1]).
 
-    hidden [T, h] base last hidden states of `tokens` (T >= start+n); tokens must reach
+    hidden [T, F] the heads' base features of `tokens` (`base_features`; T >= start+n); tokens must reach
     t + num_heads + 1. Returns (ranks [n, K] long, capped at max_rank = not drafted; head 0's
     entropy [n]; head 0's top-1 probability [n]) -- what `HeadRunner.draft` and `first_level`
     would see at those steps.
@@ -797,7 +798,8 @@ def _collect_trace(engine: Engine, heads: str, encoded: list[tuple[str, list[int
     for b in range(0, len(usable), batch_size):
         batch = usable[b:b + batch_size]
         conts, hiddens, sigs = _continue_batch(engine, [ids for _, ids in batch], n_new, spec,
-                                               [spec.prompt_seed(pid) for pid, _ in batch], eos, K + 1)
+                                               [spec.prompt_seed(pid) for pid, _ in batch], eos, K + 1,
+                                               runner.feature_layers)
         for (pid, ids), cont, hid, sg in zip(batch, conts, hiddens, sigs):
             eos_at = next((j for j, x in enumerate(cont) if x in eos), None)
             n_pos = max(0, max_new_tokens - 1)

@@ -173,6 +173,13 @@ def cmd_tune(args) -> int:
 
 # ---- train ------------------------------------------------------------------------------------
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and heads")
     g.add_argument("--model", default="default",
@@ -191,6 +198,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "a larger --num-layers adds blocks that start as the identity")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="0 = full vocabulary; N = the N most frequent training answer tokens plus EOS")
+    g.add_argument("--feature-layers", type=_int_list, default=(), metavar="I,J,...",
+                   help="EAGLE heads only (EAGLE-3's multi-layer features): base hidden states they read beside "
+                        "the last one, as indices of transformers' hidden_states (0 = embeddings, i = layer i's "
+                        "output), e.g. 3,15,27 for a 30-layer base")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data", required=True, help="prompt / conversation file (any format load_prompts reads)")

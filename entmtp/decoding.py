@@ -115,6 +115,10 @@ class Engine:
             raise ValueError(f"heads {name!r} were built for hidden size {cfg.hidden_size}, the model has {emb.shape[1]}")
         if cfg.vocab_size != self.model.get_output_embeddings().weight.shape[0]:
             raise ValueError(f"heads {name!r} were built for vocab size {cfg.vocab_size}, the model has {self.model.get_output_embeddings().weight.shape[0]}")
+        n_layers = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
+        bad = [i for i in cfg.feature_layers if n_layers is not None and not 0 <= i <= n_layers]
+        if bad:
+            raise ValueError(f"heads {name!r} read base layers {bad}; the model's hidden states are 0..{n_layers}")
         self.runners[name] = HeadRunner(heads, self.model, kernels=self.kernels)
 
     def eos_ids(self) -> tuple[int, ...]:
@@ -211,7 +215,8 @@ class Generation:
         self.cache = decoding_cache(m)
         ids = torch.tensor([self.prompt], device=self.device)
         need_hidden = self.runner is not None
-        logits, hidden = forward(m, ids, self.cache, hidden=need_hidden, logits_to_keep=1)
+        layers = self.runner.feature_layers if need_hidden else ()
+        logits, hidden = forward(m, ids, self.cache, hidden=need_hidden, layers=layers, logits_to_keep=1)
         last = logits[-1]
         self.past = len(self.prompt)
         self.root = self.rule.first_token(last, self.rng)
@@ -335,16 +340,19 @@ class Generation:
         # -- verify: one forward over the whole tree
         screened = self.screened
         need_hidden = self.runner is not None or screened is not None
+        layers = self.runner.feature_layers if self.runner is not None else ()
         keep = NO_LOGITS if screened is not None else 0
         if tree.n_nodes:
             buf = tree.buffers(dev)
             mask = tree_mask(buf.attention_bias(self.engine.dtype), self.past)
             logits, hidden = forward(m, tree_tokens[None], self.cache, mask=mask,
-                                     position_ids=(buf.depths + self.past)[None], hidden=need_hidden, logits_to_keep=keep)
+                                     position_ids=(buf.depths + self.past)[None], hidden=need_hidden, layers=layers,
+                                     logits_to_keep=keep)
         else:
-            logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden, logits_to_keep=keep)
-        if screened is not None:
-            targets, logits = screened.targets(hidden)  # logits: the bf16 screen (signals only)
+            logits, hidden = forward(m, tree_tokens[None], self.cache, hidden=need_hidden, layers=layers,
+                                     logits_to_keep=keep)
+        if screened is not None:  # the last hidden state: the last h columns of the heads' features
+            targets, logits = screened.targets(hidden[:, -screened.weight.shape[1]:])  # logits: the bf16 screen (signals only)
         synchronize(dev)
         t2 = time.perf_counter()
 

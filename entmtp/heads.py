@@ -59,6 +59,10 @@ class HeadsConfig:
     # one included. Only for kind "medusa", whose first block is h -> h like the others.
     shared_all_blocks: bool = False
     draft_vocab_size: Optional[int] = None  # heads score only these token ids
+    # EAGLE only (EAGLE-3's multi-layer features): the base layers whose outputs the draft layer
+    # reads beside the last hidden state, as indices of transformers' `hidden_states` tuple
+    # (0 = embeddings, i = decoder layer i's output); empty = the last hidden state alone
+    feature_layers: list = field(default_factory=list)
     # Hydra++ decoder-layer shape (copied from the base config)
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
@@ -81,12 +85,20 @@ class HeadsConfig:
             raise ValueError("the Hydra++ prefix layer needs num_attention_heads and intermediate_size")
         if self.kind == "eagle" and not (self.num_attention_heads and self.intermediate_size):
             raise ValueError("the EAGLE draft layer needs num_attention_heads and intermediate_size")
+        self.feature_layers = [int(i) for i in self.feature_layers]
+        if self.feature_layers and self.kind != "eagle":
+            raise ValueError("feature_layers (multi-layer features) are for EAGLE heads only")
         if self.kind == "eagle" and (self.prefix_layer or not self.shared_lm_head):
             raise ValueError("EAGLE heads are one draft layer scored by the shared base lm_head (no prefix layer, no own lm_heads)")
 
     @property
     def label(self) -> str:
         return "hydra++" if self.prefix_layer else self.kind
+
+    @property
+    def feature_width(self) -> int:
+        """Width of what the heads read from a base forward (`verify.base_features`)."""
+        return (len(self.feature_layers) + 1) * self.hidden_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -367,12 +379,30 @@ class EagleLayer(DecoderLayerWeights):
         h = cfg.hidden_size
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.fc = nn.Linear(2 * h, h)
+        # multi-layer features (EAGLE-3): each listed layer's output normed (residual streams
+        # differ in scale by orders of magnitude), then with the last hidden state projected
+        # to h; it starts as "the last hidden state", so such heads begin where one-layer ones do
+        n = len(cfg.feature_layers)
+        self.feature_norms = nn.ModuleList([RMSNorm(h, cfg.rms_norm_eps) for _ in range(n)]) if n else None
+        self.project = nn.Linear((n + 1) * h, h, bias=False) if n else None
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :h] = torch.eye(h)
             self.fc.bias.zero_()
             self.o_proj.weight.zero_()
             self.down_proj.weight.zero_()
+            if self.project is not None:
+                self.project.weight.zero_()
+                self.project.weight[:, n * h:] = torch.eye(h)
+
+    def lift(self, feat: torch.Tensor) -> torch.Tensor:
+        """Base features [..., (n+1) h] (n listed layers, then the last hidden state) -> the
+        draft layer's feature [..., h]; the last hidden state itself when no layers are listed."""
+        if self.project is None:
+            return feat
+        h = self.project.weight.shape[0]
+        parts = [norm(feat[..., i * h:(i + 1) * h]) for i, norm in enumerate(self.feature_norms)]
+        return self.project(torch.cat(parts + [feat[..., -h:]], -1))
 
     def rows(self, feat: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
         """feat, emb [B, T, h]; pos [T] positions -> (residual stream x [B, T, h], rotated
@@ -397,13 +427,14 @@ class EagleLayer(DecoderLayerWeights):
     def unroll(self, hidden: torch.Tensor, emb: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Teacher-forced drafting along the true continuation, as it runs at decoding time.
 
-        hidden [B, T, h] base hidden states; emb [B, T', h] embeddings of the tokens (token t+1
+        hidden [B, T, F] base features (`lift`); emb [B, T', h] embeddings of the tokens (token t+1
         follows hidden state t; T' >= T, zeros past the end). Returns `depth` tensors [B, T, h]:
         entry k at row t is the feature after drafting k levels from position t, whose lm_head
         scores predict x_{t+k+2}. Step 0's rows are the context rows (real features, causal);
         a step-k row reads step k-1's output and x_{t+k+1}, and attends to the context rows <= t
         and its own earlier steps (the chain a tree node's row sees).
         """
+        hidden = self.lift(hidden)
         B, T, h = hidden.shape
         pad = emb.new_zeros(B, max(0, T + depth - emb.shape[1]), h)
         emb = torch.cat([emb, pad], 1) if pad.shape[1] else emb
@@ -435,7 +466,7 @@ class EagleLayer(DecoderLayerWeights):
 @dataclass
 class EagleState:
     """A request's EAGLE context, the feature EAGLE heads read: the draft layer's keys/values of
-    rows 0..kv.length-1, the base hidden state `hidden` [h] at the last accepted position t =
+    rows 0..kv.length-1, the base feature `hidden` [h] (`EagleLayer.lift`) at the last accepted position t =
     `position` and, once a step drafted from it, row t's root token and output feature [h]."""
 
     kv: PrefixState
@@ -482,8 +513,8 @@ class DraftHeads(nn.Module):
         return self.config.num_heads
 
     def features(self, hidden: torch.Tensor, emb: Optional[torch.Tensor]):
-        """What the heads read, teacher-forced over whole sequences: hidden [B, T, h] base hidden
-        states, emb [B, T', h] embeddings of the tokens (T' >= T; EAGLE only). The Hydra++ layer's output
+        """What the heads read, teacher-forced over whole sequences: hidden [B, T, F] base features
+        (`verify.base_features`: the last hidden states, F = h, except for multi-layer EAGLE heads), emb [B, T', h] embeddings of the tokens (T' >= T; EAGLE only). The Hydra++ layer's output
         [B, T, h]; for EAGLE a list, the draft layer's output after each of its `num_heads` steps
         (`EagleLayer.unroll`); else hidden itself."""
         if self.eagle is not None:
@@ -513,7 +544,7 @@ class DraftHeads(nn.Module):
                         lm_weight: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """Teacher-forced logits for training and evaluation.
 
-        hidden [B, T, h] base last hidden states; input_ids [B, T].
+        hidden [B, T, F] base features (`features`); input_ids [B, T].
         Returns K tensors [B, T-k-1, V_draft]: head k at position t predicts x_{t+k+2}.
         (Positions whose target would fall beyond T are dropped.) EAGLE: "head k" is the
         draft layer's k-th step along the true continuation (`EagleLayer.unroll`).
@@ -616,6 +647,11 @@ class HeadRunner:
     def label(self) -> str:
         return self.config.label
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The base layers a forward must return besides the last hidden state (`verify.forward`)."""
+        return tuple(self.config.feature_layers)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> the base's input embeddings [n, h] on the heads' device (with a device_map
         the embedding may live on another device than the lm_head)."""
@@ -623,8 +659,8 @@ class HeadRunner:
         return self.embed(ids.to(w.device)).to(self.device)
 
     def start(self, hidden: torch.Tensor, ids: Optional[torch.Tensor] = None):
-        """Begin a request. hidden [T, h] base hidden states of the prompt; ids [T] its tokens
-        (EAGLE heads only: their context rows read the token after each position).
+        """Begin a request. hidden [T, F] base features of the prompt (`verify.base_features`);
+        ids [T] its tokens (EAGLE heads only: their context rows read the token after each position).
 
         Returns (request state or None, the feature the heads read at the last position: h_t
         [h], or for EAGLE heads the `EagleState`, which is also the request state).
@@ -634,6 +670,7 @@ class HeadRunner:
             if ids is None:
                 raise ValueError("EAGLE heads need the prompt's token ids to start")
             ids = torch.as_tensor(ids, device=self.device).flatten()
+            hidden = self.compute.eagle.lift(hidden)
             st = EagleState(PrefixState(), hidden[-1], hidden.shape[0] - 1)
             if hidden.shape[0] > 1:
                 self.compute.eagle.extend(st.kv, hidden[:-1], self.embed_tokens(ids[1: hidden.shape[0]]).to(self.dtype))
@@ -645,12 +682,12 @@ class HeadRunner:
         return state, out[0, -1]
 
     def advance(self, state, hidden: torch.Tensor, last: torch.Tensor, tokens: Optional[torch.Tensor] = None):
-        """Feed newly accepted base hidden states [a, h] (tokens [a]: the accepted path's tokens,
+        """Feed newly accepted base features [a, F] (tokens [a]: the accepted path's tokens,
         the root first; EAGLE heads only); returns the new head feature."""
         if isinstance(state, EagleState):
             if tokens is None:
                 raise ValueError("EAGLE heads need the accepted tokens to advance")
-            tokens, hidden = tokens.to(self.device).flatten(), hidden.to(self.dtype)
+            tokens, hidden = tokens.to(self.device).flatten(), self.compute.eagle.lift(hidden.to(self.dtype))
             feats, toks = [hidden[:-1]], [tokens[1:]]
             if state.kv.length == state.position:  # no draft from row t this step: add it now
                 feats, toks = [state.hidden[None]] + feats, [tokens[:1]] + toks

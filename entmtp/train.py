@@ -67,7 +67,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -77,7 +77,7 @@ from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
 from .data import DataError, PromptSet, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
 from .models import ModelLoadError, load_base
-from .verify import last_positions
+from .verify import base_features, last_positions
 
 __all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
            "KINDS", "lr_multiplier", "head_inputs"]
@@ -117,6 +117,7 @@ class TrainConfig:
     num_layers: int = 1  # residual blocks per head
     init_from: Optional[str] = None  # trained heads to fine-tune (see `_init_heads`)
     draft_vocab: int = 0  # 0: full vocabulary; N: the N most frequent training answer tokens plus EOS
+    feature_layers: tuple = ()  # EAGLE only: base layers read beside the last hidden state (HeadsConfig.feature_layers)
     # data
     self_distill: bool = False  # answer every prompt with the base model and train on those answers
     gen_max_new_tokens: int = 160
@@ -203,6 +204,10 @@ def _validate(args: TrainConfig) -> None:
     need(args.max_prompts >= 0, "--max-prompts must be >= 0")
     need(bool(str(args.data or "").strip()), "give a data file (--data)")
     need(args.mixed_precision in ("no", "bf16", "fp16"), f"--mixed-precision must be no, bf16 or fp16, got {args.mixed_precision!r}")
+    if args.feature_layers:
+        need(parse_kinds(args.heads) == ["eagle"], "--feature-layers is for EAGLE heads trained alone (--heads eagle)")
+        need(all(int(i) >= 0 for i in args.feature_layers), "--feature-layers are hidden-state indices >= 0")
+        need(len(set(args.feature_layers)) == len(args.feature_layers), "--feature-layers lists a layer twice")
 
 
 # ======================================================================================
@@ -625,8 +630,10 @@ def _init_heads(path: str, kinds: list[str], args: TrainConfig, base_config,
         elif (vocab is None) != (vocab_ref is None) or (vocab is not None and not torch.equal(vocab, vocab_ref)):
             raise TrainError(f"--init-from {path}: the kinds' draft vocabularies differ; train them in separate runs")
         # every other field too, here and not after the (long) feature extraction
+        # heads that read the last hidden state alone can gain feature layers (they start unused, see _load_init)
+        layers = list(args.feature_layers) if cfg.feature_layers or hk != "eagle" else cfg.feature_layers
         want = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=cfg.num_layers,
-                                    prefix_layer=prefix, shared_lm_head=True,
+                                    prefix_layer=prefix, shared_lm_head=True, feature_layers=layers,
                                     draft_vocab_size=None if vocab is None else int(vocab.numel()))
         bad = _config_mismatch(want, cfg)
         if bad:
@@ -636,13 +643,17 @@ def _init_heads(path: str, kinds: list[str], args: TrainConfig, base_config,
 
 
 def _load_init(heads: DraftHeads, init: DraftHeads) -> None:
-    """Copy trained heads into fresh `heads` of the same config or with more layers per head.
-    Added blocks get W = 0 and b = 0: SiLU(0) = 0 makes each an exact identity, so the grown
-    heads draft exactly like `init` at step 0 (and the gradient 0.5 x lets them learn)."""
+    """Copy trained heads into fresh `heads` of the same config, with more layers per head, or
+    (EAGLE) with feature layers added. Added blocks get W = 0 and b = 0: SiLU(0) = 0 makes each an
+    exact identity, so the grown heads draft exactly like `init` at step 0 (and the gradient 0.5 x
+    lets them learn); added feature layers keep their init (the projection takes the last hidden
+    state alone)."""
     missing, unexpected = heads.load_state_dict(init.state_dict(), strict=False)
     old_layers = init.config.num_layers
     added = {f"blocks.{k}.{j}.linear.{w}" for k in range(heads.num_heads)
              for j in range(old_layers, heads.config.num_layers) for w in ("weight", "bias")}
+    if heads.config.feature_layers and not init.config.feature_layers:
+        added |= {n for n, _ in heads.named_parameters() if n.startswith(("eagle.project.", "eagle.feature_norms."))}
     if unexpected or set(missing) != added:
         raise TrainError(f"--init-from: the heads' weights do not fit this run (missing {sorted(set(missing) - added)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
@@ -712,8 +723,9 @@ class _FeatureExtractor:
     """
 
     def __init__(self, model, draft_vocab: Optional[torch.Tensor], topk: int, store_dtype: torch.dtype,
-                 batch_tokens: int):
+                 batch_tokens: int, layers: Sequence[int] = ()):
         self.model = model
+        self.layers = tuple(layers)  # `hidden` = base_features(..., layers): these layers, then the last hidden state
         self.dev = next(model.parameters()).device
         self.lm = model.get_output_embeddings()
         self.dv = None if draft_vocab is None else draft_vocab.to(self.dev)
@@ -729,20 +741,24 @@ class _FeatureExtractor:
         self._decoder: Any = None
 
     def _hidden(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        """Post-norm last hidden states [B, T, h] (= model(..., output_hidden_states=True).hidden_states[-1]).
+        """The heads' base features [B, T, F]: `base_features(model(..., output_hidden_states=True)
+        .hidden_states, layers)`, the post-norm last hidden states alone (F = h) without layers.
 
-        The decoder alone is used when the model exposes it: same tensor, without the
-        per-layer hidden states and the LM head (about 1.5x faster on CPU).
+        The decoder alone is used when the model exposes it: same tensors, without the LM head
+        (and without the per-layer hidden states when none are read: about 1.5x faster on CPU).
         """
+        hs = bool(self.layers)
         if self._decoder is None:
             get = getattr(self.model, "get_decoder", None)
             dec = get() if callable(get) else None
             self._decoder = dec if isinstance(dec, nn.Module) and dec is not self.model else False
         if self._decoder is not False:
             try:
-                out = self._decoder(input_ids=ids, attention_mask=att, use_cache=False)
+                out = self._decoder(input_ids=ids, attention_mask=att, use_cache=False, output_hidden_states=hs)
+                if hs and getattr(out, "hidden_states", None) is not None:
+                    return base_features(out.hidden_states, self.layers)
                 h = getattr(out, "last_hidden_state", None)
-                if h is not None:
+                if h is not None and not hs:
                     return h
             except TypeError:
                 pass
@@ -750,10 +766,11 @@ class _FeatureExtractor:
         kw = dict(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
         if self._logits_to_keep:
             try:
-                return self.model(**kw, logits_to_keep=last_positions(ids.shape[1], 1, ids.device)).hidden_states[-1]
+                out = self.model(**kw, logits_to_keep=last_positions(ids.shape[1], 1, ids.device))
+                return base_features(out.hidden_states, self.layers)
             except TypeError:
                 self._logits_to_keep = False
-        return self.model(**kw).hidden_states[-1]
+        return base_features(self.model(**kw).hidden_states, self.layers)
 
     @torch.no_grad()
     def __call__(self, seqs: list[Seq], progress=None) -> list[dict[str, torch.Tensor]]:
@@ -773,7 +790,7 @@ class _FeatureExtractor:
                 greedy, tids, tps = [], [], []
                 need_greedy = seqs[i].split != "train"
                 for c in range(0, n, 2048):
-                    hc = h[c: c + 2048]
+                    hc = h[c: c + 2048, -self.draft_w.shape[1]:]  # the last hidden state
                     if need_greedy or self.dv is None:
                         logits = self.lm(hc).float()
                         greedy.append(logits.argmax(-1) if need_greedy else torch.full_like(logits[:, 0], -1, dtype=torch.long))
@@ -794,10 +811,11 @@ class _FeatureExtractor:
 
 
 def _feature_key(model_fp: str, seqs: list[Seq], draft_vocab: Optional[torch.Tensor], topk: int,
-                 store_dtype: torch.dtype, max_len: int) -> str:
+                 store_dtype: torch.dtype, max_len: int, layers: Sequence[int] = ()) -> str:
     h = hashlib.sha256()
     h.update(_sha256_json([FEATURE_FORMAT, model_fp, topk, str(store_dtype), max_len,
-                           None if draft_vocab is None else draft_vocab.tolist()]).encode())
+                           None if draft_vocab is None else draft_vocab.tolist()]
+                          + ([list(layers)] if layers else [])).encode())  # caches of the last hidden state keep their keys
     for s in seqs:
         h.update(s.split.encode())
         h.update(s.ids.numpy().tobytes())
@@ -1201,7 +1219,8 @@ def _new_heads(kinds: list[str], args: TrainConfig, base_config, base_name: str,
     for kind in kinds:
         hk, prefix, _ = KINDS[kind]
         cfg = HeadsConfig.for_base(base_config, hk, num_heads=args.num_heads, num_layers=args.num_layers, prefix_layer=prefix,
-                                   draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True)
+                                   draft_vocab_size=None if draft_vocab is None else n_draft, shared_lm_head=True,
+                                   feature_layers=list(args.feature_layers))
         cfg.base_model = base_name
         h = DraftHeads(cfg)
         if kind in init:  # start from the trained weights (config checked by _init_heads)
@@ -1331,11 +1350,12 @@ def _feature_source(ctx: _Ctx, args: TrainConfig, model, data: _Sequences, vocab
     disk computed once, or computed per batch (held-out ones kept); and what was done."""
     base_dtype = next(model.parameters()).dtype
     store_dtype = torch.bfloat16 if base_dtype == torch.bfloat16 else torch.float16
-    extractor = _FeatureExtractor(model, vocab.ids, args.teacher_topk, store_dtype, args.feature_batch_tokens)
+    extractor = _FeatureExtractor(model, vocab.ids, args.teacher_topk, store_dtype, args.feature_batch_tokens,
+                                  args.feature_layers)
     info: dict[str, Any] = {"cached": bool(use_cache)}
     seqs = data.seqs
     if use_cache:
-        key = _feature_key(model_fp, seqs, vocab.ids, args.teacher_topk, store_dtype, args.max_len)
+        key = _feature_key(model_fp, seqs, vocab.ids, args.teacher_topk, store_dtype, args.max_len, args.feature_layers)
         store, fi = _cached_features(ctx, args, extractor, seqs, key, work, args.feature_shard_size)
         info.update(fi)
         ctx.print(f"features: {'reused cache' if fi['reused'] else 'computed'} ({fi['bytes'] / 1e6:.1f} MB, "
@@ -1551,6 +1571,9 @@ def run_training(args: TrainConfig) -> TrainResult:
     ctx.print(f"base model {args.model!r} loaded in {_fmt_s(time.time() - t0)} "
               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype})")
 
+    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if n_layers is not None and any(i > n_layers for i in args.feature_layers):
+        raise TrainError(f"--feature-layers {','.join(map(str, args.feature_layers))}: the base has hidden states 0..{n_layers}")
     data = _sequences(ctx, args, model, tokenizer, prompts, model_fp, work, deadline)
     init: dict[str, tuple[Path, DraftHeads]] = {}
     if args.init_from:

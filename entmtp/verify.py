@@ -9,7 +9,7 @@ keys/values are kept.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -90,16 +90,27 @@ def keep_cache_entries(cache, past: int, path: list[int], n_tree: int) -> None:
         layer.crop(past + a - layer.get_seq_length())
 
 
+def base_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int] = ()) -> torch.Tensor:
+    """What draft heads read from a base forward. hidden_states: transformers' `hidden_states`
+    tuple (embeddings, then each decoder layer's output; the last one post-norm), each [..., h].
+    Returns the last hidden state [..., h], or with `layers` (EAGLE-3's multi-layer features)
+    [..., (len(layers) + 1) h]: those entries' outputs, then the last hidden state."""
+    last = hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in layers] + [last], -1) if layers else last
+
+
 def forward(model, input_ids: torch.Tensor, cache, *, mask: Optional[torch.Tensor] = None,
-            position_ids: Optional[torch.Tensor] = None, hidden: bool = False, logits_to_keep: int | torch.Tensor = 0):
-    """One model forward with our cache. input_ids [1, q]. Returns (logits [q', V], hidden [q, h] or None).
+            position_ids: Optional[torch.Tensor] = None, hidden: bool = False, layers: Sequence[int] = (),
+            logits_to_keep: int | torch.Tensor = 0):
+    """One model forward with our cache. input_ids [1, q]. Returns (logits [q', V], the heads'
+    features [q, F] (`base_features` of `layers`; F = h without) or None).
     logits_to_keep: 0 = every position, k = the last k, NO_LOGITS = none (hidden states only)."""
     q = input_ids.shape[-1]
     if isinstance(logits_to_keep, int) and 0 < logits_to_keep < q:
         logits_to_keep = last_positions(q, logits_to_keep, input_ids.device)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
                 use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep)
-    h = out.hidden_states[-1][0] if hidden else None
+    h = base_features(out.hidden_states, layers)[0] if hidden else None
     return out.logits[0], h
 
 

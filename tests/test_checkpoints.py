@@ -301,6 +301,7 @@ PREFIX = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=24
     ("draft-vocab", dict(kind="hydra", num_heads=2, draft_vocab_size=12, shared_lm_head=False)),
     ("shared-lm-head", dict(kind="hydra", num_heads=2, num_layers=2, draft_vocab_size=12)),
     ("eagle", dict(kind="eagle", num_heads=3, draft_vocab_size=12, **PREFIX)),
+    ("eagle-layers", dict(kind="eagle", num_heads=2, feature_layers=[3, 1], **PREFIX)),
 ])
 def test_our_format_round_trip(tmp_path, name, kw):
     cfg = HeadsConfig(hidden_size=H, vocab_size=V, **kw)
@@ -312,7 +313,7 @@ def test_our_format_round_trip(tmp_path, name, kw):
     assert own.keys() == got.keys() and all(torch.equal(own[k], got[k]) for k in own)
     embed = randomize(nn.Embedding(V, H))
     lm = torch.randn(cfg.draft_vocab_size or V, H) if cfg.shared_lm_head else None
-    hidden, ids = inputs()
+    hidden, ids = inputs(h=cfg.feature_width)
     with torch.no_grad():
         for a, b in zip(heads.training_logits(hidden, ids, embed, lm), back.training_logits(hidden, ids, embed, lm)):
             assert torch.equal(a, b)

@@ -22,7 +22,7 @@ from entmtp.decoding import ROOT_ONLY, ContextError, DecodeConfig, Engine
 from entmtp.heads import Draft, HeadRunner
 from entmtp.scheduler import Decision as _Decision
 from entmtp.trees import Tree, resolve_tree
-from entmtp.verify import UnsupportedModelError
+from entmtp.verify import UnsupportedModelError, base_features
 
 VOCAB = 24  # small, so that random heads' drafts are often accepted
 
@@ -36,6 +36,7 @@ def engine_for(family: str, attn: str = "sdpa") -> Engine:
         "hydra++": random_heads(m, "hydra", num_heads=6, prefix=True, seed=3),
         "hydra-dv": random_heads(m, "hydra", num_heads=6, seed=4, draft_vocab_size=12),
         "eagle": random_heads(m, "eagle", num_heads=6, seed=5),
+        "eagle-layers": random_heads(m, "eagle", num_heads=6, seed=6, feature_layers=[1, 0]),
     }
     with torch.no_grad():
         heads["hydra-dv"].draft_vocab.copy_(torch.arange(0, VOCAB, 2))
@@ -78,7 +79,7 @@ def trees(draw, max_depth=6, max_nodes=24):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv", "eagle"]),
+@given(tree=trees(), heads=st.sampled_from(["medusa", "hydra", "hydra++", "hydra-dv", "eagle", "eagle-layers"]),
        prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=20), n=st.integers(1, 40),
        lookup=st.sampled_from([0, 0, 2, 8]))
 def test_greedy_equals_generate(family, tree, heads, prompt, n, lookup):
@@ -309,20 +310,23 @@ def test_prefix_layer_steps_equal_one_causal_pass(dtype):
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=tol, atol=tol)
 
 
-def _eagle_runner():
+def _eagle_runner(layers=()):
     m = peaked_model("llama", vocab=VOCAB, seed=3)
-    return m, HeadRunner(random_heads(m, "eagle", num_heads=4, seed=7), m, draft_dtype=torch.float32, kernels="stock")
+    heads = random_heads(m, "eagle", num_heads=4, seed=7, feature_layers=list(layers))
+    return m, HeadRunner(heads, m, draft_dtype=torch.float32, kernels="stock")
 
 
-def test_eagle_drafting_follows_the_training_unroll():
+@pytest.mark.parametrize("layers", [(), (1, 0)])
+def test_eagle_drafting_follows_the_training_unroll(layers):
     """EAGLE's draft rows at decoding time (the root row in the layer's context, deeper rows
     attending to the context and their own chain) compute what training optimises: along the
-    true continuation, level k's logits equal `training_logits`' step k at that position."""
-    m, runner = _eagle_runner()
+    true continuation, level k's logits equal `training_logits`' step k at that position
+    (with multi-layer features too: decoding and training read the same base layers)."""
+    m, runner = _eagle_runner(layers)
     torch.manual_seed(0)
     ids = torch.randint(2, VOCAB, (1, 30))
     with torch.no_grad():
-        hid = m(ids, output_hidden_states=True).hidden_states[-1]
+        hid = base_features(m(ids, output_hidden_states=True).hidden_states, layers)
         ref = runner.heads.training_logits(hid, ids, m.get_input_embeddings(), runner.lm_weight)
         for t in (0, 11, 20):
             state, feature = runner.start(hid[0, : t + 1], ids[0, : t + 1])
@@ -334,14 +338,14 @@ def test_eagle_drafting_follows_the_training_unroll():
                 torch.testing.assert_close(runner.head_logits(k, rows)[0], ref[k][0, t], rtol=1e-5, atol=1e-5)
 
 
-def test_eagle_context_after_decoding_equals_one_pass():
+@pytest.mark.parametrize("layers", [(), (2, 1)])
+def test_eagle_context_after_decoding_equals_one_pass(layers):
     """After a generation (tree steps, root-only steps, rejected branches), the draft layer's
     context holds exactly the rows of one causal pass over prompt + output: accepted positions
-    read the base's real features, drafted rows never stay."""
-    m = peaked_model("llama", vocab=VOCAB, seed=3)
+    read the base's real features (those of every layer the heads read), drafted rows never stay."""
+    m, runner = _eagle_runner(layers)
     eng = Engine(m, None)
-    runner = eng.runners["eagle"] = HeadRunner(random_heads(m, "eagle", num_heads=4, seed=7), m,
-                                               draft_dtype=torch.float32, kernels="stock")
+    eng.runners["eagle"] = runner
     prompt = [3, 9, 4, 17, 5, 6]
     steps = iter([resolve_tree("mc_sim_7b_63"), ROOT_ONLY, Tree.from_paths([[0], [1], [0, 0]])] * 20)
     gen = eng.generate(prompt, heads="eagle", tree=resolve_tree("mc_sim_7b_63"), config=DecodeConfig(max_new_tokens=30, eos_token_ids=()))
@@ -352,7 +356,7 @@ def test_eagle_context_after_decoding_equals_one_pass():
     seq = prompt + gen.tokens[:-1]  # the last token is the pending root (no hidden state yet)
     assert st.position == len(seq) - 1 and st.kv.length == st.position
     with torch.no_grad():
-        hid = m(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+        hid = base_features(m(torch.tensor([seq]), output_hidden_states=True).hidden_states, layers)[0]
         fresh, _ = runner.start(hid, torch.tensor(seq))
     n = fresh.kv.length
     assert n == st.kv.length
@@ -360,18 +364,18 @@ def test_eagle_context_after_decoding_equals_one_pass():
     torch.testing.assert_close(st.hidden, fresh.hidden, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
-def test_head_ranks_are_the_drafts_ranks_along_the_true_continuation(kind):
+@pytest.mark.parametrize("kind,layers", [("medusa", ()), ("hydra", ()), ("eagle", ()), ("eagle", (1,))])
+def test_head_ranks_are_the_drafts_ranks_along_the_true_continuation(kind, layers):
     """The tree search's acceptance statistics (`calibrate.head_ranks`) rank the true next tokens
     under each level's draft logits as decoding computes them, for every kind of heads."""
     from entmtp.calibrate import head_ranks
     m = peaked_model("llama", vocab=VOCAB, seed=3)
-    heads = random_heads(m, kind, num_heads=3, seed=8)
+    heads = random_heads(m, kind, num_heads=3, seed=8, feature_layers=list(layers))
     runner = HeadRunner(heads, m, draft_dtype=torch.float32, kernels="stock")
     torch.manual_seed(1)
     ids = torch.randint(2, VOCAB, (1, 25))
     with torch.no_grad():
-        hid = m(ids, output_hidden_states=True).hidden_states[-1]
+        hid = base_features(m(ids, output_hidden_states=True).hidden_states, layers)
         ref = heads.training_logits(hid, ids, m.get_input_embeddings(), runner.lm_weight)
     ranks, _, _ = head_ranks(runner, hid[0], ids[0].tolist(), start=2, n=10, max_rank=5)
     for k in range(3):
@@ -404,3 +408,14 @@ def test_chain_attention_is_masked_attention_over_context_and_chain(n_kv):
                 vals = torch.cat([v_ctx[b, g][allow[t]]] + [c[b, g, t][None] for c in chain_v])
                 want = torch.softmax(keys @ q[b, h, t] * 0.3, 0) @ vals
                 torch.testing.assert_close(got[b, h, t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_heads_that_read_missing_base_layers_are_refused():
+    """Feature layers are checked against the base when heads are added, and only EAGLE heads
+    read several layers."""
+    from entmtp.heads import HeadsConfig
+    m = peaked_model("llama", vocab=VOCAB, seed=3)
+    with pytest.raises(ValueError, match=r"base layers \[3\].*0\.\.2"):
+        Engine(m, None, {"e": random_heads(m, "eagle", num_heads=2, feature_layers=[1, 3])})
+    with pytest.raises(ValueError, match="EAGLE heads only"):
+        HeadsConfig.for_base(m.config, "hydra", num_heads=2, feature_layers=[1])

@@ -498,3 +498,43 @@ def test_requested_cpu_processes_reads_the_accelerate_command():
     assert T.requested_cpu_processes(env, [*launch[:5], "two"]) == 1
     module = ["/usr/bin/python", "-m", "accelerate.commands.launch", "--num_processes", "4", "--cpu", "-m", "entmtp"]
     assert T.requested_cpu_processes(env, module) == 4
+
+
+def test_multi_layer_eagle_heads_train_from_one_layer_ones_and_reload(tiny_dir, data_file, tmp_path):
+    """EAGLE heads reading several base layers (--feature-layers): the features are those layers'
+    outputs then the last hidden state; heads grown from one-layer EAGLE heads start exactly where
+    those were (same first loss), then learn; the saved heads reload with the layers they read."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    seq = T.Seq("a", torch.tensor([3, 9, 10, 11, 2]), torch.tensor([0, 0, 1, 1, 1], dtype=torch.bool), "held")
+    f = T._FeatureExtractor(model, None, 4, torch.float32, 64, layers=(1, 0))([seq])[0]
+    with torch.no_grad():
+        hs = model(input_ids=seq.ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(f["hidden"], torch.cat([hs[1][0], hs[0][0], hs[-1][0]], -1))
+
+    eagle = ("--heads", "eagle")
+    one = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "20", "--draft-vocab", "20", *eagle, tag="a"))
+    AcceleratorState._reset_state(True)
+    grown = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "12", "--feature-layers", "1,0",
+                                 "--init-from", str(one.out_dirs["eagle"]), *eagle, tag="b"))
+    AcceleratorState._reset_state(True)
+    again = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "2", "--lr", "1e-9",
+                                 "--init-from", str(one.out_dirs["eagle"]), *eagle, tag="c"))
+    first, cont = _train_losses(grown.report, "eagle"), _train_losses(again.report, "eagle")
+    assert abs(first[0] - cont[0]) < 1e-4 * cont[0]  # the projection starts as "the last hidden state"
+    assert sum(first[-3:]) < sum(first[:3])
+    loaded = load_heads(grown.out_dirs["eagle"])
+    assert loaded.config.feature_layers == [1, 0] and loaded.eagle.project.weight.shape == (32, 96)
+    torch.testing.assert_close(loaded.eagle.project.weight, grown.heads["eagle"].eagle.project.weight.to(loaded.eagle.project.weight.dtype))
+
+    def err(*extra):
+        AcceleratorState._reset_state(True)
+        with pytest.raises(T.TrainError) as e:
+            T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", *extra, tag="e"))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "EAGLE heads trained alone" in err("--heads", "hydra,eagle", "--feature-layers", "1")
+    assert "hidden states 0..2" in err("--heads", "eagle", "--feature-layers", "5")
