@@ -60,6 +60,13 @@ MUTANTS = (
            "entmtp/acceptance.py", "return _walk(tree, tokens, lambda node: self._sample(logits[node], rng))",
            "return _walk(tree, tokens, lambda node: self._sample(logits[node] * (1.0 if node == 0 else 2.0), rng))",
            SAMPLING),
+    Mutant("eagle_context_token", "EAGLE context rows read the token at their own position, not the next one",
+           "entmtp/heads.py", "feats, toks = [hidden[:-1]], [tokens[1:]]", "feats, toks = [hidden[:-1]], [tokens[:-1]]",
+           ("tests/test_decoding.py::test_eagle_context_after_decoding_equals_one_pass",)),
+    Mutant("eagle_layers_swapped", "decoding hands EAGLE heads the base layers in another order than training read them",
+           "entmtp/verify.py", "h = base_features(out.hidden_states, layers)[0] if hidden else None",
+           "h = base_features(out.hidden_states, tuple(reversed(layers)))[0] if hidden else None",
+           ("tests/test_decoding.py::test_eagle_context_after_decoding_equals_one_pass",)),
 )
 
 

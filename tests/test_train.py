@@ -513,6 +513,10 @@ def test_multi_layer_eagle_heads_train_from_one_layer_ones_and_reload(tiny_dir, 
     with torch.no_grad():
         hs = model(input_ids=seq.ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(f["hidden"], torch.cat([hs[1][0], hs[0][0], hs[-1][0]], -1))
+    with torch.no_grad():  # the teacher and the greedy token still come from the last hidden state
+        logits = model(input_ids=seq.ids[None]).logits[0]
+    assert torch.equal(f["greedy"].long(), logits.argmax(-1))
+    assert torch.equal(f["tids"].long(), torch.softmax(logits, -1).topk(4, -1).indices)
 
     eagle = ("--heads", "eagle")
     one = T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "20", "--draft-vocab", "20", *eagle, tag="a"))
