@@ -120,6 +120,17 @@ def _cfg(argv: list[str]) -> T.TrainConfig:
     return cli.train_config(cli.build_parser().parse_args(["train", *argv]))
 
 
+def _run_error(tiny_dir, data_file, tmp_path, *extra: str) -> str:
+    """The one-line TrainError a one-step run with `extra` flags stops with."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    with pytest.raises(T.TrainError) as e:
+        T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", *extra, tag="e"))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 def _train_losses(report: dict, label: str) -> list[float]:
     return [h["train"][label]["loss"] for h in report["history"] if "train" in h]
 
@@ -287,11 +298,7 @@ def test_init_from_fine_tunes_trained_heads(tiny_dir, data_file, tmp_path):
     assert torch.equal(one.heads["hydra"].draft_vocab, first.heads["hydra"].draft_vocab)
 
     def err(*extra):
-        AcceleratorState._reset_state(True)
-        with pytest.raises(T.TrainError) as e:
-            T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", *extra, tag="e"))
-        assert "\n" not in str(e.value)
-        return str(e.value)
+        return _run_error(tiny_dir, data_file, tmp_path, *extra)
 
     assert "4 --num-layers" in err("--init-from", str(tmp_path / "a-out"), "--num-heads", "4")
     assert "one kind" in err("--init-from", str(first.out_dirs["hydra"]))
@@ -534,11 +541,7 @@ def test_multi_layer_eagle_heads_train_from_one_layer_ones_and_reload(tiny_dir, 
     torch.testing.assert_close(loaded.eagle.project.weight, grown.heads["eagle"].eagle.project.weight.to(loaded.eagle.project.weight.dtype))
 
     def err(*extra):
-        AcceleratorState._reset_state(True)
-        with pytest.raises(T.TrainError) as e:
-            T.run_training(_args(tiny_dir, data_file, tmp_path, "--max-steps", "1", *extra, tag="e"))
-        assert "\n" not in str(e.value)
-        return str(e.value)
+        return _run_error(tiny_dir, data_file, tmp_path, *extra)
 
     assert "EAGLE heads trained alone" in err("--heads", "hydra,eagle", "--feature-layers", "1")
     assert "hidden states 0..2" in err("--heads", "eagle", "--feature-layers", "5")
