@@ -1,7 +1,8 @@
 """The CUDA check: one short run on a GPU machine, no weights carried (a random tiny Llama and
 random heads built here). Prints and writes (to $OUT or --out) JSON with:
 
-* float32: every method's greedy tokens against transformers' `generate` (identity per prompt);
+* float32: every method's greedy tokens against transformers' `generate` (identity per prompt; Medusa,
+  Hydra, Hydra++ and EAGLE heads, one-layer and multi-layer);
 * bfloat16: every method's tokens against our own plain loop (match rate: CUDA's bf16 kernels are
   not row-invariant in general, and the kernel probe says whether they are here);
 * the kernel probe on CUDA: step latency by tree rows (up to 128) and bitwise row invariance;
@@ -34,13 +35,14 @@ def tiny(dtype, seed=0):
     return model.to(dtype)
 
 
-def random_heads(model, kind, prefix=False, seed=0):
+def random_heads(model, kind, prefix=False, seed=0, feature_layers=()):
     import torch
 
     from entmtp.heads import DraftHeads, HeadsConfig
 
     torch.manual_seed(seed)
-    heads = DraftHeads(HeadsConfig.for_base(model.config, kind, num_heads=4, prefix_layer=prefix))
+    heads = DraftHeads(HeadsConfig.for_base(model.config, kind, num_heads=4, prefix_layer=prefix,
+                                            feature_layers=list(feature_layers)))
     with torch.no_grad():
         for p in heads.parameters():
             if p.dim() > 1:
@@ -74,7 +76,8 @@ def main() -> int:
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny(dtype).to(dev)
         heads = {"medusa": random_heads(model, "medusa"), "hydra": random_heads(model, "hydra"),
-                 "hydra++": random_heads(model, "hydra", prefix=True)}
+                 "hydra++": random_heads(model, "hydra", prefix=True), "eagle": random_heads(model, "eagle"),
+                 "eagle-layers": random_heads(model, "eagle", feature_layers=(1, 3))}
         eng = Engine(model, None, heads, kernels="stock")
         cfg = DecodeConfig(max_new_tokens=n_new, eos_token_ids=())
         name = str(dtype).removeprefix("torch.")

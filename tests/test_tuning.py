@@ -145,7 +145,7 @@ def test_gpu_check_script_runs_here_on_the_cpu(tmp_path):
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert all(out["float32"][m] == "4/4" for m in ("baseline", "medusa", "hydra", "hydra++"))
+    assert all(out["float32"][m] == "4/4" for m in ("baseline", "medusa", "hydra", "hydra++", "eagle", "eagle-layers"))
     assert set(out["bfloat16"]["step_ms_by_rows"]) == {str(r) for r in (1, 2, 4, 8, 16, 32, 64, 128)}
     assert "cannot take a tree mask" in out["flash_refused"] and out["device_map_auto"]["identical"] == "4/4"
 
