@@ -15,9 +15,10 @@ included. Two prompt sets:
   searched on (`scripts/reproduce_embedded.sh` step 1 builds it).
 
 Prints one markdown row per kind: tau on each set, the gap, the share of held-out steps whose first
-draft token was accepted, the heads' drafting time per step (kinds compared at equal draft cost, not
-only at equal tau; a wall-clock figure, so read it on a quiet machine), and whether every output
-equals our plain loop's (speculation is lossless). Run under the project's environment (`bash run.sh install`).
+draft token was accepted, the heads' drafting time per step and the held-out decoding speed with that
+tree over our plain loop's, measured in the same run (kinds compared at equal draft cost, not only at
+equal tau; wall-clock figures, so read them on a quiet machine), and whether every output equals our
+plain loop's (speculation is lossless). Run under the project's environment (`bash run.sh install`).
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ from entmtp.paths import DEFAULT_HEADS_DIR, HEAD_KINDS  # noqa: E402
 PAPERS = {"medusa": "2.31", "hydra": "3.26", "hydra++": "3.70", "eagle": "3.57"}  # EAGLE: Spec-Bench
 
 
-def tau_on(engine, method: str, prompts: list, args) -> tuple[list[float], list[list[int]], list]:
+def tau_on(engine, method: str, prompts: list, args) -> tuple[list[float], list[list[int]], list, float]:
     # with user-supplied heads loaded (CUSTOM), every method with heads drafts with them
-    """Per prompt: tau and the tokens; and every decoding step (draft timing, acceptance)."""
+    """Per prompt: tau and the tokens; every decoding step (draft timing, acceptance); and the
+    tokens per second of the whole set (the engine's step times)."""
     runner = make_runner(engine, method, args.max_new_tokens, tree=args.tree if method != "baseline" else None,
                          lookup=0, progress=None)
-    taus, outs, steps = [], [], []
+    taus, outs, steps, seconds = [], [], [], 0.0
     for p in prompts:
         o = runner(render_prompt(p, engine.tokenizer))
         taus.append(len(o.tokens) / o.forwards if o.forwards else 0.0)
         outs.append(list(o.tokens))
         steps += [s for s in (o.result.steps if o.result is not None else []) if s.n_nodes > 1]
-    return taus, outs, steps
+        seconds += o.step_s
+    return taus, outs, steps, sum(map(len, outs)) / max(seconds, 1e-9)
 
 
 def main(argv=None) -> int:
@@ -103,17 +106,20 @@ def main(argv=None) -> int:
             extra.add_heads(CUSTOM, with_draft_vocab(extra.runners[CUSTOM].heads, None))
         measured.append((f"{extra.runners[CUSTOM].label} ({d.name})", extra, "hydra"))
     t0 = time.perf_counter()
-    plain = {s: tau_on(engine, "baseline", ps, args)[1] for s, ps in prompts.items()}
+    plain_runs = {s: tau_on(engine, "baseline", ps, args) for s, ps in prompts.items()}
+    plain = {s: r[1] for s, r in plain_runs.items()}
+    plain_speed = plain_runs["held-out"][3]
     rows, by_source = [], {}
     for k, eng, method in measured:
         cells, same = {}, True
         for s, ps in prompts.items():
-            taus, outs, steps = tau_on(eng, method, ps, args)
+            taus, outs, steps, speed = tau_on(eng, method, ps, args)
             cells[s] = statistics.mean(taus)
             same &= outs == plain[s]
             if s == "held-out":  # draft cost, first-draft acceptance and tau by source, held-out only
                 cells["draft_ms"] = 1e3 * statistics.mean(st.time_draft for st in steps)
                 cells["first"] = statistics.mean(st.accept_length >= 1 for st in steps)
+                cells["speed"] = speed / plain_speed
                 for p, t in zip(ps, taus):
                     by_source.setdefault(p.id.split("-")[0], {}).setdefault(k, []).append(t)
         rows.append((k, cells, same))
@@ -121,13 +127,14 @@ def main(argv=None) -> int:
     print(f"heads: {args.heads_root}{''.join(f', {d}' for d in args.heads_dir)}, drafting over {vocab}; tree {args.tree}, greedy, {args.dtype}, {args.max_new_tokens} new tokens, "
           f"no lookup; held-out {len(prompts['held-out'])} prompts ({args.heldout.name}), calibration "
           f"{len(prompts['calibration'])} ({args.calib.name}); {time.perf_counter() - t0:.0f} s\n")
+    print(f"our plain loop on the held-out prompts: {plain_speed:.1f} tokens/s\n")
     print("| heads | tau held-out | tau calibration | gap | first draft accepted (held-out steps) | draft ms a step "
-          "| identical to plain loop | papers, Vicuna-7B |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+          "| held-out tokens/s, x plain loop | identical to plain loop | papers, Vicuna-7B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for k, c, same in rows:
         gap = c["held-out"] / c["calibration"] - 1.0
         print(f"| {k} | {c['held-out']:.2f} | {c['calibration']:.2f} | {gap:+.0%} | {c['first']:.0%} | "
-              f"{c['draft_ms']:.1f} | {'yes' if same else 'NO'} | {PAPERS.get(k.split(' ')[0], '–')} |")
+              f"{c['draft_ms']:.1f} | {c['speed']:.2f}x | {'yes' if same else 'NO'} | {PAPERS.get(k.split(' ')[0], '–')} |")
     print("\nheld-out tau by source (prompts): " + "; ".join(
         f"{src} ({len(next(iter(per.values())))}): " + ", ".join(f"{k} {statistics.mean(v):.2f}" for k, v in per.items())
         for src, per in by_source.items()))
