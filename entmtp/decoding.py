@@ -30,7 +30,8 @@ from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
 from .trees import Tree
-from .verify import NO_LOGITS, ScreenedGreedyHead, check_tree_support, forward, keep_cache_entries, max_context, tree_mask
+from .verify import (NO_LOGITS, ScreenedGreedyHead, check_tree_support, forward, keep_cache_entries, max_context,
+                     missing_layers, tree_mask)
 
 ROOT_ONLY = Tree.from_paths([], "root_only")
 
@@ -115,8 +116,7 @@ class Engine:
             raise ValueError(f"heads {name!r} were built for hidden size {cfg.hidden_size}, the model has {emb.shape[1]}")
         if cfg.vocab_size != self.model.get_output_embeddings().weight.shape[0]:
             raise ValueError(f"heads {name!r} were built for vocab size {cfg.vocab_size}, the model has {self.model.get_output_embeddings().weight.shape[0]}")
-        n_layers = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
-        bad = [i for i in cfg.feature_layers if n_layers is not None and not 0 <= i <= n_layers]
+        bad, n_layers = missing_layers(cfg.feature_layers, self.model.config)
         if bad:
             raise ValueError(f"heads {name!r} read base layers {bad}; the model's hidden states are 0..{n_layers}")
         self.runners[name] = HeadRunner(heads, self.model, kernels=self.kernels)

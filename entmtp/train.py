@@ -77,7 +77,7 @@ from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
 from .data import DataError, PromptSet, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
 from .models import ModelLoadError, load_base
-from .verify import base_features, last_positions
+from .verify import base_features, last_positions, missing_layers
 
 __all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
            "KINDS", "lr_multiplier", "head_inputs"]
@@ -1571,8 +1571,8 @@ def run_training(args: TrainConfig) -> TrainResult:
     ctx.print(f"base model {args.model!r} loaded in {_fmt_s(time.time() - t0)} "
               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype})")
 
-    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-    if n_layers is not None and any(i > n_layers for i in args.feature_layers):
+    bad, n_layers = missing_layers(args.feature_layers, model.config)
+    if bad:
         raise TrainError(f"--feature-layers {','.join(map(str, args.feature_layers))}: the base has hidden states 0..{n_layers}")
     data = _sequences(ctx, args, model, tokenizer, prompts, model_fp, work, deadline)
     init: dict[str, tuple[Path, DraftHeads]] = {}

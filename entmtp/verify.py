@@ -99,6 +99,13 @@ def base_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int] =
     return torch.cat([hidden_states[i] for i in layers] + [last], -1) if layers else last
 
 
+def missing_layers(layers: Sequence[int], model_config) -> tuple[list[int], Optional[int]]:
+    """(the entries of `layers` that are not hidden-state indices of this base, its layer count
+    or None when the config does not say): 0..num_hidden_layers are."""
+    n = getattr(model_config.get_text_config(), "num_hidden_layers", None)
+    return [i for i in layers if n is not None and not 0 <= i <= n], n
+
+
 def forward(model, input_ids: torch.Tensor, cache, *, mask: Optional[torch.Tensor] = None,
             position_ids: Optional[torch.Tensor] = None, hidden: bool = False, layers: Sequence[int] = (),
             logits_to_keep: int | torch.Tensor = 0):
