@@ -414,6 +414,59 @@ def _generation_order(prompts: list, prompt_ids: dict[str, list[int]], held_keys
     return order
 
 
+@torch.inference_mode()
+def answer_batch(model, prompts: list[list[int]], limits: list[int], eos: Sequence[int], pad: int,
+                 temperature: float = 0.0, generator: Optional[torch.Generator] = None
+                 ) -> list[tuple[list[int], bool]]:
+    """Continue each prompt (token ids) with the model, greedy (or sampled at `temperature`), until
+    its EOS or `limits[i]` new tokens. Returns per prompt (answer ids, ended on EOS).
+
+    One left-padded batch; a row that ends leaves the batch (its KV rows dropped with
+    ``batch_select_indices``), so the rest no longer pay for it -- `generate` keeps computing
+    finished rows until the longest answer ends, a third of the work for chat answers here."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, L - len(p):] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    eos_set = set(int(t) for t in eos)
+    answers: list[list[int]] = [[] for _ in range(B)]
+    ended = [False] * B
+    live = list(range(B))  # batch row r holds prompt live[r]
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=last_positions(L, 1, dev))
+    while True:
+        logits = out.logits[:, -1].float()
+        if temperature > 0:
+            tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            tok = logits.argmax(-1)
+        keep = []
+        for r, t in enumerate(tok.tolist()):
+            i = live[r]
+            answers[i].append(t)
+            ended[i] = t in eos_set
+            if not ended[i] and len(answers[i]) < limits[i]:
+                keep.append(r)
+        if not keep:
+            return [(a, e) for a, e in zip(answers, ended)]
+        if len(keep) < len(live):
+            rows = torch.tensor(keep, device=dev)
+            cache.batch_select_indices(rows)
+            attn, pos, tok = attn[rows], pos[rows], tok[rows]
+            live = [live[r] for r in keep]
+        attn = torch.cat([attn, attn.new_ones((len(live), 1))], 1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+
+
 def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: set[str], model_fp: str,
                   work: Path, deadline: Optional[float]) -> tuple[dict[str, dict], dict]:
     """Answer every prompt with the base model (cached JSONL, resumable). Returns (records by key, stats)."""
@@ -477,33 +530,12 @@ def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: s
                 stats["stopped_by_budget"] = True
                 break
             seqs = [prompt_ids[_prompt_key(p)] for p in batch]
-            L = max(len(s) for s in seqs)
-            inp = torch.full((len(seqs), L), pad, dtype=torch.long)
-            att = torch.zeros((len(seqs), L), dtype=torch.long)
-            for i, s in enumerate(seqs):
-                inp[i, L - len(s):] = torch.tensor(s)
-                att[i, L - len(s):] = 1
-            max_new = max(1, min(args.gen_max_new_tokens, args.max_len - min(len(s) for s in seqs)))
-            kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=pad, num_beams=1)
-            if eos:
-                kw["eos_token_id"] = eos
+            limits = [max(1, min(args.gen_max_new_tokens, args.max_len - len(s))) for s in seqs]
+            gen = None
             if args.gen_temperature > 0:
-                torch.manual_seed(args.seed * 100003 + bi * ctx.world + ctx.rank)
-                kw.update(do_sample=True, temperature=args.gen_temperature, top_k=0, top_p=1.0)
-            else:
-                kw.update(do_sample=False)
-            with torch.no_grad():
-                out = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), **kw)
-            gen = out[:, L:].cpu().tolist()
-            for p, s, g in zip(batch, seqs, gen):
-                ans: list[int] = []
-                finished = False
-                for t in g:
-                    ans.append(int(t))
-                    if t in eos:
-                        finished = True
-                        break
-                ans = ans[: max(0, args.max_len - len(s))] if len(s) + len(ans) > args.max_len else ans
+                gen = torch.Generator(device=dev).manual_seed(args.seed * 100003 + bi * ctx.world + ctx.rank)
+            answers = answer_batch(model, seqs, limits, eos, pad, args.gen_temperature, gen)
+            for p, (ans, finished) in zip(batch, answers):
                 rec = {"key": _prompt_key(p), "id": p.id, "answer_ids": ans, "finished": finished,
                        "answer": tokenizer.decode(ans, skip_special_tokens=True)}
                 fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

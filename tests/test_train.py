@@ -545,3 +545,29 @@ def test_multi_layer_eagle_heads_train_from_one_layer_ones_and_reload(tiny_dir, 
 
     assert "EAGLE heads trained alone" in err("--heads", "hydra,eagle", "--feature-layers", "1")
     assert "hidden states 0..2" in err("--heads", "eagle", "--feature-layers", "5")
+
+
+def test_answer_batch_equals_generate_per_prompt(tiny_dir):
+    """Batched answering with finished rows leaving the batch gives each prompt what `generate`
+    gives it alone (greedy, float32): the dropped KV rows, the left padding and the per-prompt
+    limits change nothing."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    eos = int(model.config.eos_token_id)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 5, 1, 7, 4)]
+    limits = [12, 3, 20, 7, 1, 16]
+    got = T.answer_batch(model, prompts, limits, [eos], pad=eos)
+    for p, lim, (ans, ended) in zip(prompts, limits, got):
+        ref = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=lim, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+        if eos in ref:
+            ref = ref[: ref.index(eos) + 1]
+        assert ans == ref and ended == (ref[-1] == eos) and 1 <= len(ans) <= lim
+    # rows really end at different steps (else nothing left the batch)
+    assert len({len(a) for a, _ in got}) > 2
+    # sampling: seeded, reproducible, within the limits
+    a = T.answer_batch(model, prompts, limits, [eos], eos, 1.0, torch.Generator().manual_seed(3))
+    b = T.answer_batch(model, prompts, limits, [eos], eos, 1.0, torch.Generator().manual_seed(3))
+    assert a == b and all(1 <= len(x) <= lim for (x, _), lim in zip(a, limits))
