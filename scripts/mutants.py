@@ -67,6 +67,10 @@ MUTANTS = (
            "entmtp/verify.py", "h = base_features(out.hidden_states, layers)[0] if hidden else None",
            "h = base_features(out.hidden_states, tuple(reversed(layers)))[0] if hidden else None",
            ("tests/test_decoding.py::test_eagle_context_after_decoding_equals_one_pass",)),
+    Mutant("answer_rows_kept_positions", "self-distillation drops an ended answer's row but not its position ids",
+           "entmtp/train.py", "attn, pos, tok = attn[rows], pos[rows], tok[rows]",
+           "attn, tok = attn[rows], tok[rows]; pos = pos[:len(keep)]",
+           ("tests/test_train.py::test_answer_batch_equals_generate_per_prompt",)),
 )
 
 
