@@ -422,8 +422,9 @@ def answer_batch(model, prompts: list[list[int]], limits: list[int], eos: Sequen
     its EOS or `limits[i]` new tokens. Returns per prompt (answer ids, ended on EOS).
 
     One left-padded batch; a row that ends leaves the batch (its KV rows dropped with
-    ``batch_select_indices``), so the rest no longer pay for it -- `generate` keeps computing
-    finished rows until the longest answer ends, a third of the work for chat answers here."""
+    ``batch_select_indices``), so the rest no longer pay for it: `generate` keeps computing
+    finished rows until the longest answer ends (`scripts/bench_answers.py` compares the two).
+    `limits[i]` >= 1."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
