@@ -65,7 +65,7 @@ from .paths import cache_dir
 from .scheduler import Decision, Scheduler, StepSignals
 from .tuning import config_hash
 from .trees import Path_, Tree, TreeError, resolve_tree
-from .verify import base_features, last_positions
+from .verify import base_features, last_positions, left_padded
 
 STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
@@ -677,16 +677,9 @@ def _continue_batch(engine: Engine, batch: list[list[int]], n_new: int, spec: Ru
     from transformers import DynamicCache
 
     model, dev = engine.model, engine.device
-    B = len(batch)
     lens = [len(x) for x in batch]
-    Pm = max(lens)
-    ids = torch.zeros((B, Pm), dtype=torch.long)
-    attn = torch.zeros((B, Pm), dtype=torch.long)
-    for i, x in enumerate(batch):
-        ids[i, Pm - len(x):] = torch.tensor(x)
-        attn[i, Pm - len(x):] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    ids, attn, pos = left_padded(batch, 0, dev)
+    B, Pm = ids.shape
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                 output_hidden_states=True, logits_to_keep=last_positions(Pm, 1, dev))

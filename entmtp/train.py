@@ -77,7 +77,7 @@ from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
 from .data import DataError, PromptSet, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
 from .models import ModelLoadError, load_base
-from .verify import base_features, last_positions, missing_layers
+from .verify import base_features, last_positions, left_padded, missing_layers
 
 __all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
            "KINDS", "lr_multiplier", "head_inputs"]
@@ -428,14 +428,8 @@ def answer_batch(model, prompts: list[list[int]], limits: list[int], eos: Sequen
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[i, L - len(p):] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    ids, attn, pos = left_padded(prompts, pad, dev)
+    B, L = ids.shape
     eos_set = set(int(t) for t in eos)
     answers: list[list[int]] = [[] for _ in range(B)]
     ended = [False] * B

@@ -130,6 +130,21 @@ def last_positions(q: int, k: int, device=None) -> torch.Tensor:
     return torch.arange(q - k, q, device=device)
 
 
+def left_padded(seqs: Sequence[Sequence[int]], pad: int, device=None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of token lists, right-aligned: ids [B, L] (`pad` before each sequence), attention
+    mask [B, L] (1 on real tokens) and position ids [B, L] (each sequence counts from 0 at its first
+    token), L the longest length. Right-aligned, every row's next token goes in the same column."""
+    L = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, L - len(x):] = torch.tensor(x, dtype=torch.long)
+        attn[i, L - len(x):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0)
+
+
 NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: run the body, skip the lm_head
 
 

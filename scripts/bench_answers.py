@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from entmtp.data import load_prompts, render_prompt
     from entmtp.models import load_base
     from entmtp.train import _eos_ids, answer_batch
+    from entmtp.verify import left_padded
 
     model, tok = load_base("default", dtype=args.dtype)[:2]
     eos = _eos_ids(model, tok)
@@ -45,12 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     @torch.inference_mode()
     def stock(batch):
-        L = max(len(p) for p in batch)
-        ids = torch.full((len(batch), L), pad, dtype=torch.long)
-        att = torch.zeros((len(batch), L), dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, L - len(p):] = torch.tensor(p)
-            att[i, L - len(p):] = 1
+        ids, att, _ = left_padded(batch, pad)
+        L = ids.shape[1]
         out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=args.max_new_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=pad)[:, L:].tolist()
         cut = [next((j + 1 for j, t in enumerate(row) if t in eos), len(row)) for row in out]
