@@ -1,8 +1,10 @@
 """The Chat view: a streamed reply with each step's draft tree, token strip and step chart; replay.
 
 Stop and Clear reach the running reply through `RUNS` (one entry per browser session): the reply
-ends at its next step, Stop with a final update (stats, replay of the partial reply), Clear
-without one, so nothing reappears after the chat was cleared.
+ends at its next step, Stop with a final update (stats, replay of the partial reply), Clear with
+an empty one. The browser draws each event's updates in order but two events' updates in any
+order, so a streamed update still being drawn could land after Clear's own output; the reply's
+own empty last update cannot be overtaken by its earlier ones.
 """
 
 from __future__ import annotations
@@ -221,7 +223,9 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
                    viz.step_chart_figure(steps), _stats_md(gen.result, now - t0, label, True),
                    _notice_md(notes + gen.notices), skip)
         if run.why == "cleared":
-            return  # Clear has emptied the page: no final update
+            chat_box, *rest = _empty_chat()
+            yield (chat_box, skip, *rest)  # (skip the message box: it may hold the next message already)
+            return
         wall = time.perf_counter() - t0
         res = gen.result
         stopped = "stopped by you (partial reply)" if run.stop.is_set() else ""
@@ -266,4 +270,9 @@ def clear_chat(request: gr.Request = None):
     """Cancel this session's running reply (it ends without a further update) and empty the chat."""
     RUNS.signal(_session(request), "cleared")
     session_state(request)["steps"] = []
+    return _empty_chat()
+
+
+def _empty_chat() -> tuple:
+    """Chat, tree plot, token strip, step chart, stats, notices and replay slider, emptied."""
     return ([], viz.empty_figure(EMPTY_TREE), "", viz.step_chart_figure([]), "", "", _slider(0))

@@ -71,6 +71,10 @@ MUTANTS = (
            "entmtp/train.py", "attn, pos, tok = attn[rows], pos[rows], tok[rows]",
            "attn, tok = attn[rows], tok[rows]; pos = pos[:len(keep)]",
            ("tests/test_train.py::test_answer_batch_equals_generate_per_prompt",)),
+    Mutant("clear_leaves_last_update", "a reply cleared mid-stream ends without its own empty update (its last "
+           "streamed update can then land in the browser after Clear's)",
+           "entmtp/ui_chat.py", "            yield (chat_box, skip, *rest)", "            pass",
+           ("tests/test_app_client.py::test_a_cleared_reply_ends_with_the_empty_chat",)),
 )
 
 

@@ -328,6 +328,31 @@ def test_lab_score_an_uploaded_tree(client, server):
         handle_file(good), None, True, "default", "hydra", 4, 8, api_name="/lab_score")[0]
 
 
+def test_a_cleared_reply_ends_with_the_empty_chat(server):
+    """Clear mid-reply: the reply's own last update is the emptied chat. The browser draws one
+    event's updates in order but two events' in any order, so a streamed update still being drawn
+    must not be able to land after Clear's output (driven in-process: the reply cannot end first)."""
+    from types import SimpleNamespace
+
+    from entmtp import ui_chat
+
+    request = SimpleNamespace(session_hash=f"clear-test-{os.getpid()}")
+    reply = ui_chat.chat(*chat_args("one two three four", method="baseline", max_new=120), request=request)
+    first = next(reply)
+    assert first[0][-2]["role"] == "user" and "generating" in first[5]
+    assert ui_chat.RUNS.signal(request.session_hash, "cleared", wait_s=0)  # a reply was running
+    *streamed, last = list(reply)
+    assert all(u[5] for u in streamed)  # (any update in flight when Clear came still shows the reply)
+    hist, box, tree, strip, chart, stats, notices, slider = last
+    assert hist == [] and strip == "" and stats == "" and notices == ""
+    assert box == {"__type__": "update"}  # skipped: the message box may hold the next message already
+    # nothing runs now: Clear's own output is the same emptiness
+    c_hist, c_tree, c_strip, c_chart, c_stats, c_notices, c_slider = ui_chat.clear_chat(request)
+    assert (c_hist, c_strip, c_stats, c_notices) == (hist, strip, stats, notices)
+    assert c_tree.to_dict() == tree.to_dict() and c_chart.to_dict() == chart.to_dict()
+    assert not ui_chat.RUNS.signal(request.session_hash, "cleared", wait_s=0)
+
+
 def test_eight_concurrent_chats_do_not_mix(server):
     url = server[0]
     prompts = [f"{w} world, how are you" for w in ("hello", "the cat", "paris", "one two", "what is", "three four",
