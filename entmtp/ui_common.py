@@ -575,6 +575,13 @@ def session_state(request: Any) -> dict:
     return SESSIONS.get(getattr(request, "session_hash", None) if request is not None else None)
 
 
+def _param_count(n: int) -> str:
+    """135M, 1.7B, 41k: a parameter count in the unit people quote it in."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
 def model_info_md(entry: LoadedModel) -> str:
     from .hardware import hardware_class
     from .kernels import dtype_advice
@@ -585,7 +592,7 @@ def model_info_md(entry: LoadedModel) -> str:
     ok = [m for m in METHODS if st[m] is None]
     bad = [(m, r) for m, r in st.items() if r is not None]
     n = d.get("n_params") or 0
-    lines = [f"<b>{html.escape(entry.label)}</b> · {html.escape(str(d.get('family')))} · {n / 1e6:.0f}M parameters · "
+    lines = [f"<b>{html.escape(entry.label)}</b> · {html.escape(str(d.get('family')))} · {_param_count(n)} parameters · "
              f"<b>{html.escape(str(d.get('dtype')))}</b> on {html.escape(str(d.get('device')))}"
              f" ({html.escape(hardware_class(entry.engine.device))}) · context {entry.engine.max_context}"
              f" · {html.escape(getattr(entry.engine, 'kernels', 'stock'))} kernels",

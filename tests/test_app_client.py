@@ -106,6 +106,7 @@ def test_load_model_reports_methods(client):
     assert "available: entmtp, hydra, medusa, baseline" in info
     assert "hydra++" in info and "no trained hydra++ heads yet" in info
     assert "<b>float32</b>" in info and "row invariance is not measured (tuning off)" in info
+    assert re.search(r" · [1-9]\d*k parameters · ", info)  # the tiny model: not "0M"
     values = {v: label for label, v in methods["choices"]}
     assert "unavailable" in values["hydra++"] and "unavailable" not in values["hydra"]
     assert methods["value"] == "entmtp"  # the unavailable choice was replaced by the default method
@@ -120,6 +121,13 @@ def test_load_model_reports_methods(client):
     assert "mc_sim_7b_63" in labels and "63 nodes, depth 4" in labels["mc_sim_7b_63"]
     assert len(labels) <= 8 and not any(v.startswith("smollm2") for v in labels)
     assert [v for _, v in lab_heads["choices"]] == ["medusa", "hydra"]
+
+
+def test_parameter_counts_read_as_people_quote_them():
+    from entmtp.ui_common import _param_count
+
+    assert [_param_count(n) for n in (134_515_008, 1_711_376_384, 41_280, 7_000_000_000)] == \
+        ["135M", "1.7B", "41k", "7.0B"]
 
 
 def test_chat_streams_text_tree_strip_and_replay(client):
