@@ -100,9 +100,10 @@ CSS = """
 .entmtp-muted { color: #6b7280; }
 .entmtp-ok { color: #15803d; font-weight: 600; font-size: 12px; }
 .entmtp-diff { color: #b45309; font-weight: 600; font-size: 12px; }
-.entmtp-race { display: grid; grid-template-columns: repeat(auto-fit, minmax(230px, 1fr)); gap: 10px; }
+.entmtp-race { display: grid; grid-template-columns: repeat(auto-fit, minmax(180px, 1fr)); gap: 10px; }
 .entmtp-card { border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 10px; background: #fafafa; }
 .entmtp-card-h { margin-bottom: 6px; font-size: 14px; }
+.entmtp-card-h .entmtp-muted { font-size: 12px; }
 .entmtp-card-b { white-space: pre-wrap; font-size: 13px; max-height: 260px; overflow-y: auto; }
 .entmtp-score { margin-top: 8px; font-size: 13px; }
 .entmtp-score td, .entmtp-score th { padding: 2px 10px; text-align: left; }

@@ -66,12 +66,33 @@ def summarize_runs(runs: dict[str, list[tuple[list[int], int, float]]]) -> dict[
     return out
 
 
+def _race_badge(r: dict) -> str:
+    """What a card says about the output: a speculative method against what it claims to be
+    lossless to (our plain loop, same kernels), our plain loop against `generate`. In bf16 the plain
+    loop's kernels may round otherwise than transformers', so "≠ generate" alone is no loss."""
+    ok, diff, muted = "entmtp-ok", "entmtp-diff", "entmtp-muted"
+    gen, ours = r.get("identical"), r.get("identical_ours")
+
+    def span(cls: str, text: str) -> str:
+        return f'<span class="{cls}">{text}</span>'
+
+    if r["method"] == "hf":
+        return span(muted, "the reference")
+    if r["method"] == "baseline" or ours is None:
+        if gen is None:
+            return ""
+        return span(ok, "✓ identical to generate") if gen else span(diff, "≠ generate (kernel rounding)")
+    if not ours:
+        return span(diff, "✗ differs from our plain loop")
+    if gen:
+        return span(ok, "✓ identical to generate and to our plain loop")
+    return span(ok, "✓ identical to our plain loop") + " " + span(muted, "(≠ generate, as our loop)")
+
+
 def _race_cards(rows: list[dict]) -> str:
     cards = []
     for r in rows:
-        same = r.get("identical")
-        badge = "" if same is None else ('<span class="entmtp-ok">✓ identical to generate</span>' if same
-                                         else '<span class="entmtp-diff">✗ differs from generate</span>')
+        badge = _race_badge(r)
         body = html.escape(r.get("text") or "")
         if r.get("error"):
             body = f'<span class="entmtp-muted">{html.escape(r["error"])}</span>'
@@ -80,6 +101,8 @@ def _race_cards(rows: list[dict]) -> str:
             speed = f'{r["tokens_per_s"]:.1f} tok/s · τ {r["tau"]:.2f}'
             if r.get("speedup") is not None:
                 speed += f' · ×{r["speedup"]:.2f} generate'
+            if r.get("speedup_ours") is not None and r["method"] not in ("hf", "baseline"):
+                speed += f' · ×{r["speedup_ours"]:.2f} our loop'
         figures = "".join(f' data-{k.replace("_", "-")}="{r[k]:.4f}"' for k in ("tokens_per_s", "speedup", "speedup_ours")
                           if r.get(k) is not None)  # the row's figures, for scripts reading the page
         cards.append(f'<div class="entmtp-card" data-method="{html.escape(r["method"], quote=True)}"{figures}>'

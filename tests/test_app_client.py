@@ -123,6 +123,24 @@ def test_load_model_reports_methods(client):
     assert [v for _, v in lab_heads["choices"]] == ["medusa", "hydra"]
 
 
+def test_race_cards_judge_each_method_against_its_own_reference():
+    """bf16: our loop may round otherwise than generate; a speculative method is lossless when it
+    equals our loop, and only a difference from our loop is flagged as one."""
+    from entmtp.ui_race import _race_badge
+
+    def badge(method, gen, ours):
+        return re.sub(r"<[^>]+>", "", _race_badge({"method": method, "identical": gen, "identical_ours": ours}))
+
+    assert badge("hf", True, None) == "the reference"
+    assert badge("baseline", True, True) == "✓ identical to generate"
+    assert badge("baseline", False, True) == "≠ generate (kernel rounding)"
+    assert badge("hydra", True, True) == "✓ identical to generate and to our plain loop"
+    assert badge("hydra", False, True) == "✓ identical to our plain loop (≠ generate, as our loop)"
+    assert badge("hydra", False, False) == badge("hydra", True, False) == "✗ differs from our plain loop"
+    assert badge("hydra", True, None) == "✓ identical to generate"  # no plain loop in the race
+    assert 'class="entmtp-diff"' in _race_badge({"method": "entmtp", "identical": False, "identical_ours": False})
+
+
 def test_parameter_counts_read_as_people_quote_them():
     from entmtp.ui_common import _param_count
 
