@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -21,6 +22,7 @@ from . import scheduler as sched
 from .autotune import bank_file, tuned_trees
 from .decoding import DecodeConfig, Engine, GenerationResult
 from .models import load_engine
+from .threads import default_threads, torch_threads
 from .trees import TREES_DIR, Tree, resolve_tree
 
 FAMILY = "hydra-family"
@@ -294,6 +296,7 @@ class Runner:
     scheduler: Optional[sched.Scheduler] = None
     config: Optional[DecodeConfig] = None
     pld_tokens: int = 10
+    threads: Optional[int] = None  # torch CPU threads this method decodes with (None: the process's)
 
     @property
     def label(self) -> str:
@@ -306,12 +309,34 @@ class Runner:
         return f"{self.method.label} · {what}{extra}"
 
     def __call__(self, ids: list[int]) -> Output:
+        with torch_threads(self.threads):
+            return self._decode(ids)
+
+    def _decode(self, ids: list[int]) -> Output:
         if not self.method.ours:
             extra = {"prompt_lookup_num_tokens": self.pld_tokens} if self.method.name == "pld" else {}
             return hf_generate(self.engine, ids, self.max_new_tokens, **extra)
         r = self.engine.run(ids, heads=self.heads, scheduler=self.scheduler, config=self.config)
         return Output(list(r.tokens), 1 + sum(1 for s in r.steps if s.time_verify > 0),
                       sum(s.time_bookkeeping for s in r.steps), sum(s.time_total for s in r.steps), r)
+
+
+def fit_stock_threads(runner: Runner, ids: list[int], repeats: int = 2) -> Optional[int]:
+    """Give a transformers method (`generate`, prompt lookup) the CPU thread count it decodes `ids`
+    fastest with: 1 or all cores, the faster of `repeats` timed runs each. entmtp's measured count
+    is for its own kernels (often 1 on 2 cores); transformers' kernels may want all, and a bench
+    must not time `generate` with a count chosen for us. Returns the count (None: ours, or a GPU)."""
+    if runner.method.ours or runner.engine.device.type != "cpu":
+        return None
+    best: dict[int, float] = {}
+    for n in sorted({1, default_threads()}):
+        with torch_threads(n):
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner._decode(ids)
+                best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
+    runner.threads = min(best, key=lambda n: (best[n], n))
+    return runner.threads
 
 
 def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optional[str] = None,
@@ -335,4 +360,4 @@ def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optiona
 __all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS",
            "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "fastest_family", "heads_to_load", "method_lookup",
            "default_tree", "build_scheduler", "ModelOptions", "load_engine_for", "Output", "ForwardCounter", "hf_generate",
-           "Runner", "make_runner"]
+           "Runner", "fit_stock_threads", "make_runner"]

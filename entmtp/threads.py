@@ -11,6 +11,7 @@ is measured per machine (`entmtp.tuning`: one thread where it decodes as fast as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -41,4 +42,19 @@ def default_threads() -> int:
     return int(v) if v.isdigit() and int(v) > 0 else (os.cpu_count() or 1)
 
 
-__all__ = ["DEFAULT_WAIT_POLICY", "configure_wait_policy", "threads_override", "default_threads"]
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with torch's CPU thread count at `n` (None: as it is), then restore it."""
+    import torch
+
+    old = torch.get_num_threads()
+    if n and n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
+
+
+__all__ = ["DEFAULT_WAIT_POLICY", "configure_wait_policy", "threads_override", "default_threads", "torch_threads"]

@@ -134,17 +134,19 @@ def _race_table(rows: list[dict]) -> list[list]:
     return out
 
 
-def machine_line(engine) -> str:
-    """Where the race ran: CPU or GPU, dtype, kernels, threads."""
+def machine_line(engine, stock_threads: Optional[int] = None) -> str:
+    """Where the race ran: CPU or GPU, dtype, kernels, threads (`stock_threads`: generate's own)."""
     import torch
 
     from .hardware import fingerprint, hardware_class
 
     fp = fingerprint(engine.device)
     what = fp.get("gpu") or f"{fp.get('cpu', '?')} ({hardware_class(engine.device)}, {fp.get('cores', '?')} cores)"
-    threads = f", {torch.get_num_threads()} threads" if engine.device.type == "cpu" else ""
+    cpu = engine.device.type == "cpu"
+    threads = f", {torch.get_num_threads()} threads" if cpu else ""
+    stock = f", {stock_threads} thread{'s' if stock_threads > 1 else ''} (its fastest)" if cpu and stock_threads else ""
     return (f"{what} · {str(engine.dtype).removeprefix('torch.')} · our loop on {engine.kernels} kernels{threads}, "
-            "generate on transformers' own")
+            f"generate on transformers' own{stock}")
 
 
 def _runner(engine, method: str, n_new: int, notes: list[str]):
@@ -192,6 +194,7 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
     try:
         for m in plan:  # first touches, lazy initialisation, per-shape kernel set-up: not timed
             runners[m](ids[-64:])
+            registry.fit_stock_threads(runners[m], ids[-64:], repeats=1)  # generate: its own fastest thread count
         runs: dict[str, list] = {m: [] for m in plan}
         texts: dict[str, str] = {}
         total = n_rep * len(plan)
@@ -216,5 +219,5 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
     n_spec = sum(1 for r in rows if r["method"] not in ("hf", "baseline"))
     status = (f'<div class="entmtp-stats">done: {len(rows)} methods × {n_rep} run{"s" if n_rep > 1 else ""}, '
               f"interleaved after a warm-up; {same} of {len(rows) - 1} token-identical to generate, {same_ours} of "
-              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine))}</div>")
+              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine, runners['hf'].threads if 'hf' in runners else None))}</div>")
     yield (_race_table(rows), viz.race_bar_figure(rows), _race_cards(rows), _notice_md(notices) + status)

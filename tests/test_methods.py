@@ -80,3 +80,34 @@ def test_family_heads_are_the_fastest_tuned_here(monkeypatch):
     monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: None)  # ENTMTP_TUNE=0
     assert methods.fastest_family(engine) is None and method_heads("entmtp", engine=engine) == "hydra++"
     assert methods.fastest_family(SimpleNamespace(runners={"hydra": object()})) is None
+
+
+def test_generate_gets_its_own_fastest_thread_count(monkeypatch):
+    """A bench times transformers' methods with the thread count they run fastest with (1 or all
+    cores), not the one measured for our kernels; the process's count is restored after each call."""
+    import time
+
+    from entmtp import methods
+
+    m = tiny_model("llama", vocab=64, seed=3)
+    eng = Engine(m, None, {})
+    monkeypatch.setattr(methods, "default_threads", lambda: 2)
+    seen = []
+
+    def fake_generate(engine, ids, max_new_tokens, **extra):  # 2 threads twice as slow as 1, then the reverse
+        n = torch.get_num_threads()
+        seen.append(n)
+        time.sleep(0.02 * (n if slow_with_more else 3 - n))
+        return methods.Output([7] * max_new_tokens, max_new_tokens)
+
+    monkeypatch.setattr(methods, "hf_generate", fake_generate)
+    before = torch.get_num_threads()
+    for slow_with_more, want in ((True, 1), (False, 2)):
+        hf = make_runner(eng, "hf", 4)
+        assert methods.fit_stock_threads(hf, [5, 6, 7]) == want == hf.threads
+        assert torch.get_num_threads() == before
+        seen.clear()
+        hf([5, 6, 7])
+        assert seen == [want] and torch.get_num_threads() == before
+    base = make_runner(eng, "baseline", 4)
+    assert methods.fit_stock_threads(base, [5, 6, 7]) is None and base.threads is None  # ours: the engine's count
