@@ -233,7 +233,9 @@ def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
 def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optional[Callable[[str], object]] = None,
                   **kw) -> KernelProfile:
     """Measure every kernel set of `sets` (default: every one that can run here) on `model` and
-    choose; on a CPU also the thread count (`measure_threads`), unless ENTMTP_THREADS fixes it."""
+    choose; on a CPU also the thread count (`measure_threads`). ENTMTP_THREADS is not consulted:
+    the profile is cached per machine, and an override of one run must not stand in for the
+    measurement of later ones (it still wins when applied: `apply_threads`)."""
     t0 = time.perf_counter()
     p = next(model.parameters())
     opts = kernel_options(p.dtype, p.device)
@@ -243,7 +245,7 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
     cpu = p.device.type == "cpu"
     before = torch.get_num_threads()
     if cpu:
-        torch.set_num_threads(threads_override() or default_threads())
+        torch.set_num_threads(default_threads())
     try:
         trials = []
         for name in sets or KERNEL_SETS:
@@ -256,7 +258,7 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
             trials.append(measure_set(model, name, **kw))
         choice, why, invariant = choose(trials)
         threads, threads_ms = None, {}
-        if cpu and threads_override() is None and default_threads() > 1:
+        if cpu and default_threads() > 1:
             if progress:
                 progress("tuning: measuring CPU threads")
             threads, threads_ms = measure_threads(model, choice, next(t for t in trials if t.name == choice))
@@ -307,6 +309,10 @@ def unmeasured_profile(model) -> KernelProfile:
                          model_key(model), created=time.strftime("%Y-%m-%dT%H:%M:%S"), measured=False)
 
 
+def _threads_unmeasured(prof: KernelProfile, device) -> bool:
+    return device.type == "cpu" and default_threads() > 1 and not prof.threads
+
+
 def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) -> KernelProfile:
     """This machine's kernel profile for `model`: read from the cache, else measured and cached.
     ENTMTP_TUNE=0: not measured; ENTMTP_TUNE=refresh: measured again."""
@@ -319,7 +325,9 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
             prof = KernelProfile.from_json(json.loads(path.read_text()))
             p = next(model.parameters())
             opts = kernel_options(p.dtype, p.device)
-            if opts.get(prof.choice) is None:  # still runnable (a kernel build may have gone)
+            # still runnable (a kernel build may have gone), and with the thread count measured (a
+            # profile probed under an ENTMTP_THREADS override once lacked it)
+            if opts.get(prof.choice) is None and not _threads_unmeasured(prof, p.device):
                 prof.cache_file = str(path)
                 return prof
         except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):

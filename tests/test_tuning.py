@@ -158,3 +158,25 @@ def test_threads_are_added_only_where_they_pay_for_a_busy_neighbour():
     assert choose_threads({2: 21.3, 1: 27.1}) == 1  # 1.27x faster: not worth the risk
     assert choose_threads({16: 10.0, 1: 10.0 * THREADS_GAIN}) == 16
     assert choose_threads({1: 20.0}) == 1 and choose_threads({4: 30.0, 1: 20.0}) == 1
+
+
+def test_a_threads_override_during_the_probe_does_not_stand_in_for_the_measurement(tuning_on, monkeypatch):
+    """ENTMTP_THREADS fixes one run's count; the cached profile still holds the measured count for
+    later runs without it (a profile once cached threads=None under an override, and every later
+    run then decoded with all cores: 0.6x one thread's speed on a 2-core VM). A cached profile
+    without a measured count is measured again."""
+    monkeypatch.setattr(tuning, "default_threads", lambda: 2)
+    monkeypatch.setenv("ENTMTP_THREADS", "1")
+    before = torch.get_num_threads()
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16)
+    prof = tuning.kernel_profile(model)
+    assert prof.threads in (1, 2) and set(prof.threads_ms) == {1, 2}
+    saved = json.loads(Path(prof.cache_file).read_text())
+    assert saved["threads"] == prof.threads
+    assert tuning.apply_threads(prof) == 1  # the override wins where it is set
+    monkeypatch.delenv("ENTMTP_THREADS")
+    saved["threads"], saved["threads_ms"] = None, {}  # a profile from before: no measured count
+    Path(prof.cache_file).write_text(json.dumps(saved))
+    again = tuning.kernel_profile(model)
+    assert again.threads in (1, 2) and set(again.threads_ms) == {1, 2}  # measured again, not read
+    torch.set_num_threads(before)
