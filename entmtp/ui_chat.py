@@ -267,7 +267,7 @@ def replay(step_index, color_by, request: gr.Request = None):
 
 
 def clear_chat(request: gr.Request = None):
-    """Cancel this session's running reply (it ends without a further update) and empty the chat."""
+    """Cancel this session's running reply (it ends with this same empty update) and empty the chat."""
     RUNS.signal(_session(request), "cleared")
     session_state(request)["steps"] = []
     return _empty_chat()
