@@ -25,7 +25,9 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   products in another order, within bf16 rounding of the stock kernel (probed per layer); a 9-row
   forward costs ~1.2 one-row ones. On AVX-512 CPUs the same products run on 32-column panels
   (the same bits, half the instructions), and on AVX512-BF16 ones layers fed bf16 run on k-pair
-  panels for vdpbf16ps (`panel_layout`; `python scripts/bench_panel_layouts.py`). The same library fuses what costs more dispatch than
+  panels for vdpbf16ps; on AMX CPUs every layer runs on the same k-pairs as AMX tiles (16 rows x 16
+  columns x 32 products an instruction: the lm_head at 16 rows costs ~1.1x one row, not ~4x)
+  (`panel_layout`; `python scripts/bench_panel_layouts.py`). The same library fuses what costs more dispatch than
   arithmetic: Llama-style RMSNorms (`FusedRMSNorm`, one op instead of eight) and gated MLPs
   (`FusedMLP`: gate and up as one panel product, silu x up in fp32, three ops instead of five
   module calls), each probed against the module it replaces; with float32 attention
@@ -186,8 +188,9 @@ def _panel_ops_registered() -> bool:
         return False
 
 
-# panel layouts of entmtp's bf16 linears, by the widest instructions dispatch allows: (columns, k-pairs)
-PANEL_LAYOUTS = {"avx2": (16, False), "avx512": (32, False), "avx512_bf16": (32, True)}
+# panel layouts of entmtp's bf16 linears, by the widest instructions dispatch allows: (columns, k-pairs, AMX tiles)
+PANEL_LAYOUTS = {"avx2": (16, False, False), "avx512": (32, False, False), "avx512_bf16": (32, True, False),
+                 "amx": (32, True, True)}
 
 
 def panel_layout() -> str:
@@ -199,21 +202,25 @@ def panel_layout() -> str:
     * "avx512_bf16": 32 columns in k-pairs for vdpbf16ps (bf16 pairs multiplied exactly, summed
       into fp32): twice the products per instruction and no widening; inputs are taken as bf16
       (an fp32 input is rounded, as a stock bf16 layer would). Other bits than the FMA layouts.
+    * "amx": the same k-pairs as AMX tiles (TDPBF16PS: 16 rows x 16 columns x 32 products per
+      instruction), so a tree's extra rows cost little beyond reading the weights once; an fp32
+      input is split into two bf16 terms (hi + lo), ~16 significant bits. Other bits again.
 
     Every layout computes each row alone in a fixed order, so a tree's rows are bitwise one-row
     steps; the plain loop and the tree always share one layout."""
-    return next((isa for isa in ("avx512_bf16", "avx512") if isa_at_least(isa)), "avx2")
+    return next((isa for isa in ("amx", "avx512_bf16", "avx512") if isa_at_least(isa)), "avx2")
 
 
 def pack_panels(weight: torch.Tensor, layout: Optional[str] = None, fp32_input: bool = False) -> torch.Tensor:
     """weight [N, K] bf16 -> its panels for `bf16_panels_linear` in `layout` (default `panel_layout()`).
     fp32_input: the layer is fed float32 values (an attention output, a fused MLP's middle) whose
-    products must stay exact, so the k-pair layout (bf16 inputs) gives way to the FMA one."""
+    products must stay exact to bf16's precision, so the vdpbf16ps k-pair layout (bf16 inputs)
+    gives way to the FMA one; AMX tiles take such inputs as two bf16 terms."""
     layout = layout or panel_layout()
-    if fp32_input and PANEL_LAYOUTS[layout][1]:
-        layout = "avx512"
-    cols, pairs = PANEL_LAYOUTS[layout]
-    return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), cols, pairs)
+    cols, pairs, tiles = PANEL_LAYOUTS[layout]
+    if fp32_input and pairs and not tiles:
+        cols, pairs, tiles = PANEL_LAYOUTS["avx512"]
+    return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), cols, pairs, tiles)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """entmtp's bf16 panel layouts side by side on the embedded model's shapes (entmtp.kernels.panel_layout).
 
 For each layout this CPU can run ("avx2": 16-column FMA panels, "avx512": 32-column FMA panels,
-"avx512_bf16": k-pair panels for vdpbf16ps) and each weight shape of SmolLM2-135M (lm_head, the
+"avx512_bf16": k-pair panels for vdpbf16ps, "amx": the k-pairs as AMX tiles) and each weight shape of SmolLM2-135M (lm_head, the
 fused gate|up, down, the fused q|k|v), times one product of 1, 4, 9 and 16 rows, interleaved,
 fastest of the repeats, one thread; and checks that each layout is row-invariant (every row of a
 block equals that row alone, bitwise). Prints milliseconds and the k-row / 1-row ratio; no asserts.

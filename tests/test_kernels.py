@@ -293,6 +293,9 @@ needs_wide_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["p
 needs_pair_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
                                        or not hardware.isa_at_least("avx512_bf16"),
                                        reason="the k-pair panel kernel needs AVX512-BF16 (and the panel library)")
+needs_amx_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
+                                      or not hardware.isa_at_least("amx"),
+                                      reason="the AMX tile kernel needs a CPU with AMX (and the panel library)")
 
 
 @needs_wide_panels
@@ -337,6 +340,38 @@ def test_pair_panels_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
                            torch.ops.entmtp_cpu.bf16_panels_linear(xf.to(torch.bfloat16), pairs, n, b, True))
 
 
+@needs_amx_panels
+@pytest.mark.parametrize("n,k,bias", [(40, 24, False), (33, 7, True), (64, 96, False), (200, 577, True), (96, 1536, False)])
+def test_amx_tiles_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
+    """AMX tiles (TDPBF16PS): each row alone gives the same bits as in any block of rows (16-row
+    tiles, their remainders, several tiles); the result is the exact product up to fp32 sums for a
+    bf16 input and to ~2^-16 for a float32 one (split into two bf16 terms, not rounded to one);
+    panel tails and widths that are not whole k-chunks are zero-padded."""
+    g = torch.Generator().manual_seed(n * 11 + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    tiles = kernels.pack_panels(w, "amx", fp32_input=True)  # float32 inputs keep the tile layout
+    k2 = (k + 1) // 2
+    assert tiles.shape == ((n + 31) // 32, (k2 + 15) // 16, 16, 64)
+    for m in [1, 2, 3, 5, 9, 15, 16, 17, 31, 33, 40]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        y = torch.ops.entmtp_cpu.bf16_panels_linear(x, tiles, n, b, True)
+        exact = x.double() @ w.double().T + (b.double() if bias else 0)
+        assert ((y.double() - exact).abs() <= 1e-5 * exact.abs().max()).all(), m
+        alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], tiles, n, b, True) for i in range(m)])
+        assert torch.equal(alone, y), m
+        xf = torch.randn(m, k, generator=g)
+        yf = torch.ops.entmtp_cpu.bf16_panels_linear(xf, tiles, n, b, True)
+        exact_f = xf.double() @ w.double().T + (b.double() if bias else 0)
+        assert ((yf.double() - exact_f).abs() <= 2e-5 * exact_f.abs().max()).all(), m
+        rounded = torch.ops.entmtp_cpu.bf16_panels_linear(xf.to(torch.bfloat16), tiles, n, b, True)
+        assert not torch.equal(yf, rounded), m
+        alone_f = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(xf[i:i + 1], tiles, n, b, True) for i in range(m)])
+        assert torch.equal(alone_f, yf), m
+    with pytest.raises(RuntimeError, match="this input width"):
+        torch.ops.entmtp_cpu.bf16_panels_linear(torch.randn(2, k + 40).to(torch.bfloat16), tiles, n, b, True)
+
+
 @needs_panels
 def test_panel_layout_follows_dispatch(monkeypatch):
     """ENTMTP_ISA lowers the layout on a wider CPU (so each kernel runs and is tested here); a
@@ -345,8 +380,14 @@ def test_panel_layout_follows_dispatch(monkeypatch):
     assert kernels.panel_layout() == "avx2"
     assert kernels.pack_panels(torch.randn(20, 8).to(torch.bfloat16)).shape == (2, 8, 16)
     monkeypatch.delenv("ENTMTP_ISA")
-    want = next((i for i in ("avx512_bf16", "avx512") if hardware.isa_at_least(i)), "avx2")
+    want = next((i for i in ("amx", "avx512_bf16", "avx512") if hardware.isa_at_least(i)), "avx2")
     assert kernels.panel_layout() == want
+    if hardware.isa_at_least("amx"):
+        monkeypatch.setenv("ENTMTP_ISA", "avx512_bf16")
+        assert kernels.panel_layout() == "avx512_bf16"
+        assert kernels.pack_panels(torch.randn(20, 8).to(torch.bfloat16)).shape == (1, 4, 64)
+        monkeypatch.delenv("ENTMTP_ISA")
+        assert kernels.pack_panels(torch.randn(20, 8).to(torch.bfloat16)).shape == (1, 1, 16, 64)
     if hardware.isa_at_least("avx512_bf16"):
         monkeypatch.setenv("ENTMTP_ISA", "avx512")
         assert kernels.panel_layout() == "avx512"

@@ -15,8 +15,9 @@
 // instructions (a tree's extra rows cost arithmetic, not weight reads).
 //
 // Ops (namespace entmtp_cpu):
-//   bf16_pack_panels(Tensor w, int cols=16, bool pairs=False) -> Tensor  w [N, K] bf16; cols 16 or 32 (AVX-512);
-//       pairs: 32 columns in k-pairs for AVX512-BF16's vdpbf16ps
+//   bf16_pack_panels(Tensor w, int cols=16, bool pairs=False, bool tiles=False) -> Tensor  w [N, K] bf16;
+//       cols 16 or 32 (AVX-512); pairs: 32 columns in k-pairs for AVX512-BF16's vdpbf16ps; tiles: the
+//       k-pair panels as AMX tiles [P, K2p/16, 16, 64]
 //   bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor
 //       x [..., K] bf16 or fp32 -> [..., n] (bf16, or fp32 when out_float: the sums before rounding)
 //   bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor
@@ -37,7 +38,10 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,12 +56,15 @@ constexpr int kPrefetchBytes = 2048;  // 64 k-rows ahead (measured best of 1-2 K
 constexpr int kSlot[kCols] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 at::Tensor pack_pairs(const at::Tensor& w);
+at::Tensor pack_tiles(const at::Tensor& w);
 
-at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs) {
+at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs, bool tiles) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.device().is_cpu(),
               "bf16_pack_panels: w must be a 2-D bfloat16 CPU tensor");
   TORCH_CHECK(cols == kCols || cols == kWideCols, "bf16_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
   TORCH_CHECK(!pairs || cols == kWideCols, "bf16_pack_panels: k-pair panels have 32 columns");
+  TORCH_CHECK(!tiles || pairs, "bf16_pack_panels: AMX tiles are k-pair panels");
+  if (tiles) return pack_tiles(w_.contiguous());
   if (pairs) return pack_pairs(w_.contiguous());
   const at::Tensor w = w_.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
@@ -253,11 +260,181 @@ at::Tensor pair_rows(const at::Tensor& x, int64_t K2) {
   return xb.contiguous();
 }
 
+
+// ---- AMX (Intel Sapphire Rapids and later): the k-pair panels as tiles --------------------------
+//
+// TDPBF16PS multiplies a tile of 16 rows x 16 k-pairs (bf16) by one of 16 k-pairs x 16 columns and
+// adds each output element's 32 products into its fp32 lane: each element depends only on its own
+// row of x and column of W, in a fixed order (k-chunks in order), so rows are computed alone as in
+// every other layout -- a tree row is bitwise its one-row step, at ~8x vdpbf16ps's products per
+// instruction, so the extra rows of a tree cost little more than reading the weights once.
+//
+// Layout: the k-pair panels with K2 zero-padded to a multiple of 16, viewed as [P, K2p/16, 16, 64]:
+// a k-chunk of a 32-column panel is 16 k-pair rows of 128 bytes; its two B tiles (columns 0-15 and
+// 16-31) are the two 64-byte halves, loaded with a 128-byte stride. x is zero-padded to whole
+// 16-row tiles. A float32 x (an attention output, a gated MLP's middle) is split into
+// hi = bf16(x) and lo = bf16(x - hi), both multiplied: ~16 significant bits instead of bf16's 8.
+
+constexpr int kTileRows = 16;   // rows of an A or C tile
+constexpr int kTilePairs = 16;  // k-pairs of an A tile (64 bytes a row) and rows of a B tile
+
+at::Tensor pack_tiles(const at::Tensor& w) {
+  at::Tensor pairs = pack_pairs(w);
+  const int64_t P = pairs.size(0), K2 = pairs.size(1), K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs;
+  if (K2p != K2) pairs = at::constant_pad_nd(pairs, {0, 0, 0, K2p - K2});
+  return pairs.contiguous().view({P, K2p / kTilePairs, kTilePairs, 2 * kWideCols});
+}
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
+}
+
+// Linux hands a process AMX's 8 KB tile state only on request, once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return cpu_has_amx_bf16() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0, 1: C (16 rows x 16 fp32 columns: a 32-column panel); 2, 3: A (hi, lo); 4, 5: B (the panel's halves)
+// rows: of the A and C tiles (16, or fewer when x has fewer: less to load and multiply)
+__attribute__((target("amx-tile,amx-bf16"))) void tiles_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = t < 4 ? rows : kTilePairs;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // the builtin does not tell gcc it reads cfg: keep the stores
+  _tile_loadconfig(&cfg);
+}
+
+// y[16 rows, 32 columns] (row stride ldy floats) = x tile rows . one panel, over K2p / 16 k-chunks
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_panel(const uint32_t* xhi, const uint32_t* xlo,
+                                                                     int64_t K2p, const uint16_t* panel, float* y,
+                                                                     int64_t ldy) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t xstride = K2p * 4;
+  for (int64_t c = 0; c < K2p / kTilePairs; ++c) {
+    const uint16_t* b = panel + c * kTilePairs * 2 * kWideCols;
+    for (int l = 0; l < 32; ++l)  // the next k-chunk (2 KB, 32 lines): the weights stream from memory
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + 64 * l, _MM_HINT_T0);
+    _tile_loadd(4, b, 128);
+    _tile_loadd(5, b + kWideCols, 128);
+    _tile_loadd(2, xhi + c * kTilePairs, xstride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    if (xlo != nullptr) {
+      _tile_loadd(3, xlo + c * kTilePairs, xstride);
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+  }
+  _tile_stored(0, y, ldy * 4);
+  _tile_stored(1, y + 16, ldy * 4);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void tiles_release() { _tile_release(); }
+
+// x [n] fp32 -> hi = bf16(x), lo = bf16(x - hi), each rounded to nearest even (as .to(bfloat16))
+__attribute__((target("avx512f,avx512bf16"))) void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k), (__m256i)h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+  }
+  for (; k < n; ++k) {
+    const at::BFloat16 h(x[k]);
+    hi[k] = h.x;
+    lo[k] = at::BFloat16(x[k] - static_cast<float>(h)).x;
+  }
+}
+
+// x [M, K] bf16 or fp32 -> y [M, n] fp32 through AMX tiles; panels [P, K2p/16, 16, 64]
+at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(amx_permitted(), "bf16_panels_linear: AMX tiles need a CPU with AMX-BF16 and a kernel that grants them");
+  const int64_t P = panels.size(0), K2p = panels.size(1) * kTilePairs;
+  const int64_t M = x.size(0), Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  // x -> hi (and lo for fp32) as [Mp, K2p] k-pairs, zero-padded, in one pass (aten ops here cost
+  // more than the arithmetic at a few rows)
+  const bool split = x.scalar_type() == at::kFloat;
+  const at::Tensor xc = x.contiguous();
+  const int64_t K = xc.size(1);
+  at::Tensor hi = at::zeros({Mp, 2 * K2p}, x.options().dtype(at::kBFloat16));
+  at::Tensor lo = split ? at::zeros({Mp, 2 * K2p}, hi.options()) : at::Tensor();
+  at::BFloat16* hw = hi.data_ptr<at::BFloat16>();
+  if (split) {
+    const float* xf = xc.data_ptr<float>();
+    at::BFloat16* lw = lo.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m)
+      split_bf16(xf + m * K, K, reinterpret_cast<uint16_t*>(hw + m * 2 * K2p), reinterpret_cast<uint16_t*>(lw + m * 2 * K2p));
+  } else {
+    const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) std::copy(xb + m * K, xb + (m + 1) * K, hw + m * 2 * K2p);
+  }
+  // whole panels write straight into y; the last (narrow) panel and padded rows go through a scratch
+  const int64_t nw = n / kWideCols * kWideCols;
+  at::Tensor y = at::empty({Mp, std::max<int64_t>(n, 1)}, x.options().dtype(at::kFloat));
+  const uint32_t* hp = reinterpret_cast<const uint32_t*>(hi.data_ptr<at::BFloat16>());
+  const uint32_t* lp = lo.defined() ? reinterpret_cast<const uint32_t*>(lo.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
+    tiles_configure(static_cast<int>(std::min<int64_t>(M, kTileRows)));
+    alignas(64) float scratch[kTileRows * kWideCols];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = wp + p * K2p * 2 * kWideCols;
+      for (int64_t m = 0; m < Mp; m += kTileRows) {
+        const uint32_t* xh = hp + m * K2p;
+        const uint32_t* xl = lp ? lp + m * K2p : nullptr;
+        if (p * kWideCols + kWideCols <= nw) {
+          tile_panel(xh, xl, K2p, panel, yp + m * n + p * kWideCols, n);
+        } else {
+          tile_panel(xh, xl, K2p, panel, scratch, kWideCols);
+          for (int64_t r = 0; r < kTileRows; ++r)
+            for (int64_t j = p * kWideCols; j < n; ++j) yp[(m + r) * n + j] = scratch[r * kWideCols + j - p * kWideCols];
+        }
+      }
+    }
+    tiles_release();
+  });
+  return y.narrow(0, 0, M);
+}
+
 at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
                               const c10::optional<at::Tensor>& bias, bool out_float) {
   TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat) &&
                   x_.device().is_cpu(),
               "bf16_panels_linear: x must be a bfloat16 or float32 CPU tensor");
+  if (panels.dim() == 4) {  // AMX tiles
+    TORCH_CHECK(panels.size(2) == kTilePairs && panels.size(3) == 2 * kWideCols &&
+                    panels.size(1) * kTilePairs >= (x_.size(-1) + 1) / 2 &&
+                    panels.size(1) * kTilePairs < (x_.size(-1) + 1) / 2 + kTilePairs &&
+                    panels.scalar_type() == at::kBFloat16 && panels.is_contiguous(),
+                "bf16_panels_linear: panels must come from bf16_pack_panels for this input width");
+    TORCH_CHECK(n > (panels.size(0) - 1) * kWideCols && n <= panels.size(0) * kWideCols,
+                "bf16_panels_linear: n does not match the panels");
+    std::vector<int64_t> shape = x_.sizes().vec();
+    shape.back() = n;
+    at::Tensor y = tiles_linear(x_.reshape({-1, x_.size(-1)}), panels, n);
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return (out_float ? y : y.to(at::kBFloat16)).view(shape);
+  }
   const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kWideCols;
   TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols || pairs) &&
                   (pairs ? panels.size(1) == (x_.size(-1) + 1) / 2 : panels.size(1) == x_.size(-1)) &&
@@ -648,7 +825,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 }  // namespace
 
 TORCH_LIBRARY(entmtp_cpu, m) {
-  m.def("bf16_pack_panels(Tensor w, int cols=16, bool pairs=False) -> Tensor");
+  m.def("bf16_pack_panels(Tensor w, int cols=16, bool pairs=False, bool tiles=False) -> Tensor");
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
