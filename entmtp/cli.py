@@ -23,6 +23,7 @@ from .calibrate import RuleSpec
 from .checkpoints import CheckpointError
 from .data import DataError, Prompt, render_prompt
 from .decoding import ContextError, DecodeConfig
+from .kernels import KERNELS
 from .methods import (DEFAULT_LOOKUP, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
                       method_heads, method_lookup, parse_methods)
 from .models import ModelLoadError, describe_model
@@ -57,10 +58,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large base across GPUs (accelerate)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = measured on this machine, or ENTMTP_THREADS)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "packed", "stock", "onednn", "panels"],
+    p.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="our decoding's kernels: auto = measured on this machine once (the fastest row-invariant set "
                         "no slower than stock, else the fastest; `entmtp tune` shows it); stock = transformers'; "
-                        "onednn = linears prepacked for oneDNN; panels = entmtp's own row-invariant bf16 kernels; "
+                        "onednn = linears prepacked for oneDNN (onednn-trees: for tree rows only, float32); panels = entmtp's own "
+                        "row-invariant bf16 kernels; "
                         "packed = the first packed set available")
 
 

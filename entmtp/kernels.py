@@ -64,10 +64,11 @@ from .hardware import cpu_isa, fast_bf16_matmul, isa_at_least
 from .paths import cache_dir
 
 # kernel sets for the decoding twin: "stock" (transformers' own), "onednn" (linears prepacked for
-# oneDNN), "panels" (entmtp's own library: row-invariant bf16 panels, fused norms / MLPs /
-# attention, float32 attention). "auto" = measured per machine (`entmtp.tuning`); "packed" = the
-# first packed set available here (onednn, else panels).
-KERNEL_SETS = ("stock", "onednn", "panels")
+# oneDNN), "onednn-trees" (float32: prepacked for tree rows, transformers' own for a one-row step,
+# where MKL's one-row product beats oneDNN's), "panels" (entmtp's own library: row-invariant bf16
+# panels, fused norms / MLPs / attention, float32 attention). "auto" = measured per machine
+# (`entmtp.tuning`); "packed" = the first packed set available here (onednn, else panels).
+KERNEL_SETS = ("stock", "onednn", "onednn-trees", "panels")
 KERNELS = ("auto", "packed") + KERNEL_SETS
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
@@ -241,11 +242,14 @@ def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]
     out: dict[str, Optional[str]] = {"stock": None}
     if torch.device(device).type != "cpu":
         why = f"packed kernels are for CPU models (this one is on {torch.device(device).type})"
-        return {**out, "onednn": why, "panels": why}
+        return {**out, "onednn": why, "onednn-trees": why, "panels": why}
     if dtype not in PACKABLE:
         why = f"packed kernels are for bfloat16 and float32 models (this one is {str(dtype).removeprefix('torch.')})"
-        return {**out, "onednn": why, "panels": why}
+        return {**out, "onednn": why, "onednn-trees": why, "panels": why}
     out["onednn"] = _packing_unavailable(dtype)
+    out["onednn-trees"] = out["onednn"] or (None if dtype == torch.float32 else
+                                            "one-row steps on stock kernels is a float32 set (in bf16 oneDNN's packed "
+                                            "kernel is the stock one without its per-call relayout)")
     out["panels"] = _panels_unavailable() if dtype == torch.bfloat16 else "entmtp's panel kernels are for bfloat16"
     return out
 
@@ -341,15 +345,21 @@ class _PackedBase(nn.Module):
 
 
 class PackedLinear(_PackedBase):
-    """Weight prepacked for oneDNN."""
+    """Weight prepacked for oneDNN. one_row_stock: a one-row input takes `F.linear` (torch's own
+    kernel: MKL's in float32, faster than oneDNN's for one row on some CPUs), more rows the packed one."""
 
     layout = "packed"
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, one_row_stock: bool = False):
         super().__init__(linear)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.one_row_stock = one_row_stock
+        if one_row_stock:
+            self.layout = "packed for tree rows"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row_stock and x.numel() == x.shape[-1]:
+            return nn.functional.linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed, self.out_features, self.bias)
 
     @property
@@ -646,7 +656,7 @@ def packed_twin(model: nn.Module, method: Optional[str] = None, fused_attention:
     if why:
         raise ValueError(why)
     panels = (method or pack_method(dtype)[0]) == "panels"
-    layer_class = PanelLinear if panels else PackedLinear
+    layer_class = PanelLinear if panels else functools.partial(PackedLinear, one_row_stock=method == "onednn-trees")
 
     def replace(mod: nn.Module) -> Optional[nn.Module]:
         if panels:  # fused modules of entmtp's kernel library, where the probe agrees
@@ -689,6 +699,8 @@ KERNEL_WHY = {
     "stock": "transformers' own kernels",
     "onednn": "linears prepacked for oneDNN (no per-call weight relayout; bf16 bit-identical to stock, fp32 within "
               f"{FP32_PROBE_RTOL:g}, probed)",
+    "onednn-trees": "linears prepacked for oneDNN for tree rows, transformers' own for one-row steps (fp32 within "
+                    f"{FP32_PROBE_RTOL:g}, probed)",
     "panels": "entmtp's kernel library: bf16 linears in panels with fp32 sums, each row alone in a fixed order (the "
               "same bits for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
 }

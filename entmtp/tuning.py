@@ -13,9 +13,10 @@ and measures, on the real model with random tokens after a cached context:
   one-row steps. Where they are equal, tree verification computes exactly what the plain loop
   computes, so greedy speculation emits exactly the plain loop's tokens.
 
-The choice (`choose`): among the row-invariant sets whose one-row step is no slower than stock,
-the fastest for draft trees; where none is, the fastest set, and the engine says speculation
-matches plain decoding up to rounding (its identity rate is measured, not claimed).
+The choice (`choose`): among the sets whose one-row step is no slower than stock (so the plain
+loop never loses to transformers' own), the fastest row-invariant one for draft trees; where none
+is row-invariant, the fastest of them, and the engine says speculation matches plain decoding up
+to rounding (its identity rate is measured, not claimed).
 
 `ENTMTP_TUNE=0` skips the probe (the unmeasured order, `kernels.preferred_kernels`);
 `ENTMTP_TUNE=refresh` measures again. Profiles live in `cache_dir()/tuning/<machine>/`.
@@ -215,8 +216,9 @@ def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
     if not ran:
         return "stock", "no kernel set could be measured; transformers' own kernels", False
     limit = stock.ms_by_rows[1] * NOT_SLOWER if stock is not None else float("inf")
-    exact = [t for t in ran if t.row_invariant and t.ms_by_rows[1] <= limit]
-    pick = min(exact or ran, key=KernelTrial.tree_ms)
+    not_slower = [t for t in ran if t.ms_by_rows[1] <= limit] or ran  # our plain loop never slower than stock's
+    exact = [t for t in not_slower if t.row_invariant]
+    pick = min(exact or not_slower, key=KernelTrial.tree_ms)
     one, tree = pick.ms_by_rows[1], pick.tree_ms() - pick.ms_by_rows[1]
     versus = ""
     if stock is not None and pick is not stock:
@@ -225,7 +227,8 @@ def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
         why = (f"fastest row-invariant set no slower than stock: {one:.1f} ms a one-row step, {tree:.1f} ms an "
                f"8-row tree{versus}")
     else:
-        why = (f"no set here is row-invariant and no slower than stock, so the fastest: {one:.1f} ms a one-row step, "
+        why = (f"no set here is row-invariant and no slower than stock, so the fastest no slower than stock: "
+               f"{one:.1f} ms a one-row step, "
                f"{tree:.1f} ms an 8-row tree{versus}")
     return pick.name, why, pick.row_invariant
 
@@ -325,9 +328,12 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
             prof = KernelProfile.from_json(json.loads(path.read_text()))
             p = next(model.parameters())
             opts = kernel_options(p.dtype, p.device)
-            # still runnable (a kernel build may have gone), and with the thread count measured (a
-            # profile probed under an ENTMTP_THREADS override once lacked it)
-            if opts.get(prof.choice) is None and not _threads_unmeasured(prof, p.device):
+            # still runnable (a kernel build may have gone), with every set that runs here measured (a
+            # newer version may have more), and with the thread count measured (a profile probed
+            # under an ENTMTP_THREADS override once lacked it)
+            measured = {t.name for t in prof.trials}
+            if (opts.get(prof.choice) is None and all(k in measured for k in KERNEL_SETS if opts.get(k) is None)
+                    and not _threads_unmeasured(prof, p.device)):
                 prof.cache_file = str(path)
                 return prof
         except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):

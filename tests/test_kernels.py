@@ -49,6 +49,31 @@ def test_float32_twin_is_within_rounding_and_decodes_like_generate():
         assert eng.run(prompt, heads="hydra", tree=tree, config=cfg).tokens == want
 
 
+@needs_pack32
+def test_onednn_for_tree_rows_keeps_the_stock_one_row_product_and_decodes_like_generate():
+    """"onednn-trees": a one-row input takes F.linear itself (bitwise), more rows the prepacked
+    kernel (within its probe); greedy decoding, plain and with a tree, gives generate's tokens."""
+    model = tiny_model("llama", vocab=96, seed=6)
+    m, name, why = kernels.decode_model(model, "onednn-trees")
+    assert name == "onednn-trees" and "one-row" in why
+    layer = m.lm_head
+    assert isinstance(layer, kernels.PackedLinear) and layer.one_row_stock
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        one, rows = torch.randn(1, 1, layer.in_features), torch.randn(1, 6, layer.in_features)
+        assert torch.equal(layer(one), nn.functional.linear(one, layer.weight, layer.bias))
+        assert torch.equal(layer(rows), kernels.packed_linear(rows, layer.packed, layer.out_features, layer.bias))
+    heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
+    eng = Engine(model, None, heads, kernels="onednn-trees")
+    tree = resolve_tree("mc_sim_7b_63").truncated(4)
+    cfg = DecodeConfig(max_new_tokens=30, eos_token_ids=())
+    prompt = [7] * 3 + list(range(20, 40))
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
+    assert eng.run(prompt, config=cfg).tokens == want
+    assert eng.run(prompt, heads="hydra", tree=tree, config=cfg).tokens == want
+    assert kernels.kernel_options(torch.bfloat16)["onednn-trees"] is not None  # a float32 set
+
+
 def test_a_float32_probe_outside_tolerance_refuses(monkeypatch):
     """A layer whose packed fp32 product strays beyond FP32_PROBE_RTOL is not used: auto falls back."""
     if kernels.can_pack(fp32_model) is not None:

@@ -35,6 +35,10 @@ def test_choice_prefers_row_invariant_sets_no_slower_than_stock():
     slow_exact = trial("panels", 45, 50, True)  # invariant but its one-row step loses to stock: not taken
     name, why, inv = choose([stock, fast, slow_exact])
     assert (name, inv) == ("onednn", False) and "no set here is row-invariant" in why
+    # nothing row-invariant: the fastest for trees among the sets whose one-row step is not slower than stock
+    slow_one = trial("onednn", 50, 52, False)
+    assert choose([stock, slow_one])[0] == "stock"
+    assert choose([stock, slow_one, trial("onednn-trees", 40.5, 53, False)])[0] == "onednn-trees"
     assert choose([stock])[0] == "stock"
     assert choose([KernelTrial("panels", "cannot run")])[0] == "stock"  # nothing measured: stock
 
@@ -158,6 +162,24 @@ def test_threads_are_added_only_where_they_pay_for_a_busy_neighbour():
     assert choose_threads({2: 21.3, 1: 27.1}) == 1  # 1.27x faster: not worth the risk
     assert choose_threads({16: 10.0, 1: 10.0 * THREADS_GAIN}) == 16
     assert choose_threads({1: 20.0}) == 1 and choose_threads({4: 30.0, 1: 20.0}) == 1
+
+
+def test_a_cached_profile_missing_a_set_that_runs_here_is_measured_again(tuning_on):
+    """A profile cached by a version with fewer kernel sets would keep its old choice for good:
+    where a set that runs here has no trial in it, the profile is measured again."""
+    model = tiny_model("llama", vocab=96, dtype=torch.float32)
+    prof = tuning.kernel_profile(model)
+    path = Path(prof.cache_file)
+    saved = json.loads(path.read_text())
+    assert tuning.kernel_profile(model).created == prof.created  # read from the cache
+    runs = [t["name"] for t in saved["trials"] if t["ran"]]
+    if len(runs) < 2:
+        pytest.skip("only stock runs here")
+    saved["trials"] = [t for t in saved["trials"] if t["name"] != runs[-1]]
+    saved["created"] = "before"
+    path.write_text(json.dumps(saved))
+    again = tuning.kernel_profile(model)
+    assert again.created != "before" and runs[-1] in {t.name for t in again.trials}
 
 
 def test_a_threads_override_during_the_probe_does_not_stand_in_for_the_measurement(tuning_on, monkeypatch):
