@@ -43,7 +43,9 @@ class BenchConfig:
     prompts: a prompt file (any format the loader reads; None: the bundled bench set), cut to
     the first `per_category` prompts of each category and then the first `limit` (0: all).
     tree / bank override the static tree of methods with heads and entmtp's bank; scheduler
-    overrides entmtp's. lookup / lookup_min_ngram: see `methods.method_lookup`."""
+    overrides entmtp's. lookup / lookup_min_ngram: see `methods.method_lookup`. max_seconds: stop
+    after the prompt during which this much time has passed (0: no limit), so a run with a wall-clock
+    budget (a CI job, a rented GPU) still ends with every method on the same prompts."""
 
     methods: Sequence[str] = ("hf", "pld", "baseline", "medusa", "hydra", "entmtp")
     prompts: Optional[str] = None
@@ -57,9 +59,12 @@ class BenchConfig:
     pld_tokens: int = 10
     lookup: Optional[int] = None
     lookup_min_ngram: Optional[int] = None
+    max_seconds: float = 0.0
 
     def __post_init__(self):
         self.methods = tuple(parse_methods(self.methods))
+        if self.max_seconds < 0:
+            raise ValueError(f"max_seconds must be >= 0, got {self.max_seconds}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
@@ -104,9 +109,13 @@ def recorded_trees(engine, methods: Sequence[str]) -> dict:
 
 
 def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[str], None]] = None,
-              runners: Optional[dict[str, Runner]] = None) -> list[Run]:
-    """Every method on every prompt, `cfg.repeats` times, interleaved, after a warm-up.
-    runners: `make_runners(engine, cfg)` when the caller already has them."""
+              runners: Optional[dict[str, Runner]] = None,
+              on_prompt: Optional[Callable[[list[Run], int], None]] = None) -> list[Run]:
+    """Every method on every prompt, `cfg.repeats` times, interleaved, after a warm-up; stops early
+    after the prompt that passes `cfg.max_seconds`. runners: `make_runners(engine, cfg)` when the
+    caller already has them. on_prompt(runs so far, prompts done): called after each whole prompt, so
+    a caller can keep partial reports that an interrupt or a killed job does not lose."""
+    start = time.perf_counter()
     methods = list(cfg.methods)
     runners = runners or make_runners(engine, cfg)
     rendered = [(p.id, p.category or "all", render_prompt(p, engine.tokenizer)) for p in prompts]
@@ -126,8 +135,15 @@ def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[st
                 synchronize(engine.device)
                 dt = time.perf_counter() - t0
                 runs.append(Run(pid, cat, m, rep, len(o.tokens), dt, o.forwards, o.tokens, o.bookkeeping_s, o.step_s))
+        elapsed = time.perf_counter() - start
         if progress:
-            progress(f"prompt {i + 1}/{len(rendered)}")
+            progress(f"prompt {i + 1}/{len(rendered)} ({elapsed:.0f} s)")
+        if on_prompt:
+            on_prompt(runs, i + 1)
+        if cfg.max_seconds and elapsed > cfg.max_seconds and i + 1 < len(rendered):
+            if progress:
+                progress(f"stopped after {i + 1} of {len(rendered)} prompts: {elapsed:.0f} s > max_seconds {cfg.max_seconds:g}")
+            break
     return runs
 
 
@@ -291,9 +307,9 @@ def markdown_table(summary: dict, methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str], meta: dict) -> None:
-    import plotly.graph_objects as go
-
+def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str], meta: dict, html: bool = True) -> None:
+    """summary.json, runs.csv, report.md and (html) report.html under `out`. A run that stopped
+    early has meta["planned_prompts"] > meta["prompts"] and says so in the report."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({**summary, "meta": meta}, indent=1) + "\n")
     with open(out / "runs.csv", "w", newline="") as f:
@@ -312,7 +328,7 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
             cat_lines.append(f"| {c} | " + " | ".join(
                 f"{ms[m].get('speedup_vs_hf') or 0:.2f}x" if "hf" in methods else f"{ms[m]['tokens_per_s']:.1f}" for m in methods) + " |")
     md = ["# entmtp bench", "", f"`{meta['command']}`" + (f" ({meta['date']})" if meta.get("date") else ""), "",
-          f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {meta['prompts']} prompts, "
+          f"Model: {meta['model'].get('name')} ({meta['dtype']}, {meta['device']}); {_prompt_count(meta)}, "
           f"{meta['max_new_tokens']} new tokens, {meta['repeats']} repeat(s), median per prompt; machine: {meta['machine']} ({meta.get('hardware', '?')}).",
           "Prompt-lookup branch (tokens): " + ", ".join(f"{m} {n}" for m, n in meta.get("lookup", {}).items())
           + ("; grafted after a match of at least " + ", ".join(f"{m} {k}" for m, k in meta["lookup_min_ngram"].items()) + " tokens"
@@ -324,6 +340,18 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
           "Speedup vs baseline: over our own plain loop on the same kernels (speculation alone); "
           "speedup vs hf: over transformers' `generate` (speculation and kernels).", "", table, *cat_lines, ""]
     (out / "report.md").write_text("\n".join(md))
+    if html:
+        _write_html(out, summary, methods, meta)
+
+
+def _prompt_count(meta: dict) -> str:
+    done, planned = meta["prompts"], meta.get("planned_prompts", meta["prompts"])
+    return f"{done} prompts" if done == planned else f"{done} of {planned} prompts (stopped early: {meta.get('stopped', 'interrupted')})"
+
+
+def _write_html(out: Path, summary: dict, methods: list[str], meta: dict) -> None:
+    import plotly.graph_objects as go
+
     def label(m: str) -> str:
         s = summary["methods"][m]
         parts = [f"{s[k]:.2f}x {name}" for k, name in (("speedup_vs_baseline", "our loop"), ("speedup_vs_hf", "hf"))

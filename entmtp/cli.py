@@ -451,6 +451,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     add_lookup_args(p, f"prompt-lookup chain length for every method with heads (default: {_LOOKUP_DEFAULTS}, others 0)")
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="stop after the prompt during which this many seconds have passed (0 = no limit)")
     p.add_argument("--out", default="runs/bench")
 
 
@@ -459,7 +461,7 @@ def cmd_bench(args) -> int:
     cfg = bench.BenchConfig(methods=args.methods, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
                             max_new_tokens=args.max_new_tokens, repeats=args.repeats, tree=args.tree,
                             scheduler=args.scheduler, bank=args.bank, pld_tokens=args.pld_tokens, lookup=args.lookup,
-                            lookup_min_ngram=args.lookup_min_ngram)
+                            lookup_min_ngram=args.lookup_min_ngram, max_seconds=args.max_seconds)
     ps, prompts = bench.load_bench_prompts(cfg)
     if ps.skipped:
         _say(ps.skipped_note())
@@ -467,13 +469,40 @@ def cmd_bench(args) -> int:
     command = _command("bench")
     _say(f"# {command}")
     runners = bench.make_runners(engine, cfg)
-    runs = bench.run_bench(engine, prompts, cfg, progress=lambda s: print(s, file=sys.stderr, end="\r"), runners=runners)
-    summary = bench.summarize(runs, list(cfg.methods))
-    bench.write_reports(Path(args.out), runs, summary, list(cfg.methods),
-                        bench.bench_meta(engine, cfg, ps, prompts, command, runners))
+    meta = bench.bench_meta(engine, cfg, ps, prompts, command, runners)
+    out, methods = Path(args.out), list(cfg.methods)
+
+    def report(runs: list, done: int, html: bool, stopped: str = "") -> dict:
+        summary = bench.summarize(runs, methods)
+        bench.write_reports(out, runs, summary, methods,
+                            {**meta, "prompts": done, "planned_prompts": len(prompts), "stopped": stopped}, html=html)
+        return summary
+
+    # partial reports after every prompt: an interrupt or a killed job keeps what was measured
+    state = {"done": 0}
+
+    def keep(runs: list, done: int) -> None:
+        report(runs, done, html=False, stopped="interrupted")
+        state["done"] = done  # only once its reports are on disk
+
+    runs: list = []
+    try:
+        runs = bench.run_bench(engine, prompts, cfg, progress=lambda s: print(s, file=sys.stderr, end="\r"),
+                               runners=runners, on_prompt=keep)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        if state["done"]:
+            _say(f"interrupted after {state['done']} of {len(prompts)} prompts; their reports are in {out}/")
+        else:
+            _say("interrupted before the first prompt finished; no report written")
+        return 130
+    done = state["done"]
+    summary = report(runs, done, html=True, stopped=f"--max-seconds {cfg.max_seconds:g}" if done < len(prompts) else "")
     print(file=sys.stderr)
     print(bench.terminal_report(summary, cfg.methods))
-    print(f"reports: {args.out}/summary.json, runs.csv, report.md, report.html")
+    if done < len(prompts):
+        print(f"stopped early (--max-seconds {cfg.max_seconds:g}): {done} of {len(prompts)} prompts")
+    print(f"reports: {out}/summary.json, runs.csv, report.md, report.html")
     return 0
 
 

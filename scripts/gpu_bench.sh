@@ -23,7 +23,9 @@
 # log and the reports under $OUT (what the remote run returns). Locally,
 # `bash scripts/gpu_bench.sh bench --device cpu` runs the same path on this machine (after `stage`;
 # GPU_PYTHON=.venv/bin/python), which is how the script is tested without a GPU. GPU_METHODS and
-# GPU_PER_CATEGORY change what the benchmark runs.
+# GPU_PER_CATEGORY change what the benchmark runs; GPU_MAX_SECONDS (default 240) stops it after the
+# prompt that passes that budget, so the call ends inside its limit with a report of the prompts done
+# (the reports are also rewritten after every prompt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,6 +37,7 @@ WHEELS=(transformers==5.24.0 gguf==0.19.0 plotly==7.1.0 regex==2026.11.19)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 METHODS=${GPU_METHODS:-hf,pld,baseline,medusa,hydra,hydra++,entmtp}
 PER_CATEGORY=${GPU_PER_CATEGORY:-3}
+MAX_SECONDS=${GPU_MAX_SECONDS:-240}
 PY=${GPU_PYTHON:-python3}   # the device image's python3 holds its CUDA torch
 
 die() { echo "gpu_bench: $*" >&2; exit 1; }
@@ -111,7 +114,7 @@ EOF
     --per-category 1 --max-new-tokens 16 --out "/tmp/entmtp-smoke-$device" > /dev/null || die "the smoke run failed (log above)"
   echo "smoke run passed"
   "$PY" -m entmtp bench --model default --device "$device" --dtype bfloat16 --methods "$METHODS" \
-    --per-category "$PER_CATEGORY" --max-new-tokens 128 --out "$out/bench-$device-bf16"
+    --per-category "$PER_CATEGORY" --max-new-tokens 128 --max-seconds "$MAX_SECONDS" --out "$out/bench-$device-bf16"
 }
 
 case "${1:-}" in

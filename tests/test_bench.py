@@ -55,6 +55,57 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert "* token-identical to hf:" in report
 
 
+def _tiny_bench(tmp_path, n=4):
+    save_tiny_base(tmp_path / "base")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": f"q{i}", "turns": [f"hello world {i}"]}) for i in range(n)))
+    return ["bench", "--base", str(tmp_path / "base"), "--prompts", str(prompts), "--methods", "hf,baseline",
+            "--max-new-tokens", "6", "--out", str(tmp_path / "bench")]
+
+
+def test_max_seconds_stops_after_a_whole_prompt_and_says_so(tmp_path, capsys):
+    code = cli.main(_tiny_bench(tmp_path) + ["--max-seconds", "0.000001"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    s = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    # the first prompt passes the budget: every method ran on it, and on nothing after it
+    assert {m: v["prompts"] for m, v in s["methods"].items()} == {"hf": 1, "baseline": 1}
+    assert s["meta"]["prompts"] == 1 and s["meta"]["planned_prompts"] == 4
+    assert "1 of 4 prompts (stopped early: --max-seconds 1e-06)" in (tmp_path / "bench" / "report.md").read_text()
+    assert "stopped early (--max-seconds 1e-06): 1 of 4 prompts" in printed.out
+    assert (tmp_path / "bench" / "report.html").exists()
+
+
+def test_an_interrupted_bench_keeps_the_reports_of_the_prompts_it_finished(tmp_path, capsys, monkeypatch):
+    from entmtp import bench
+
+    real = bench.summarize
+    calls = []
+
+    def interrupt_on_the_third(runs, methods):  # the partial report after prompt 2 is written, then ^C
+        calls.append(len(runs))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(runs, methods)
+
+    monkeypatch.setattr(bench, "summarize", interrupt_on_the_third)
+    code = cli.main(_tiny_bench(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.strip().splitlines()[-1] == f"interrupted after 2 of 4 prompts; their reports are in {tmp_path / 'bench'}/"
+    s = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert s["meta"]["prompts"] == 2 and s["methods"]["baseline"]["prompts"] == 2
+    assert "2 of 4 prompts (stopped early: interrupted)" in (tmp_path / "bench" / "report.md").read_text()
+    with open(tmp_path / "bench" / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2 * 2
+
+
+def test_bad_max_seconds_is_one_line(tmp_path, capsys):
+    code = cli.main(["bench", "--max-seconds", "-1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "max_seconds must be >= 0" in err and len(err.strip().splitlines()) == 1
+
+
 def test_bad_method_is_one_line(tmp_path, capsys):
     code = cli.main(["bench", "--methods", "hf,warp", "--out", str(tmp_path)])
     err = capsys.readouterr().err

@@ -342,6 +342,19 @@ def test_wide_panels_give_the_same_bits_as_the_avx2_panels(n, k):
         assert torch.equal(alone, y32), m
 
 
+def _panels_rows_check(x, packed, w, b, tol):
+    """The panel product of x [m, k] against `packed` (w [n, k], bias b): within `tol` (relative to
+    the largest entry) of the exact product, and each row alone the same bits as all rows at once.
+    Returns the product [m, n]."""
+    n = w.shape[0]
+    y = torch.ops.entmtp_cpu.bf16_panels_linear(x, packed, n, b, True)
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert ((y.double() - exact).abs() <= tol * exact.abs().max()).all(), x.shape
+    alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], packed, n, b, True) for i in range(len(x))])
+    assert torch.equal(alone, y), x.shape
+    return y
+
+
 @needs_pair_panels
 @pytest.mark.parametrize("n,k,bias", [(40, 24, False), (33, 7, True), (64, 96, False), (200, 577, True)])
 def test_pair_panels_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
@@ -354,12 +367,7 @@ def test_pair_panels_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
     pairs = kernels.pack_panels(w, "avx512_bf16")
     assert pairs.shape == ((n + 31) // 32, (k + 1) // 2, 64)
     for m in list(range(1, 26)) + [40]:
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        y = torch.ops.entmtp_cpu.bf16_panels_linear(x, pairs, n, b, True)
-        exact = x.double() @ w.double().T + (b.double() if bias else 0)
-        assert ((y.double() - exact).abs() <= 1e-5 * exact.abs().max()).all(), m
-        alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], pairs, n, b, True) for i in range(m)])
-        assert torch.equal(alone, y), m
+        _panels_rows_check(torch.randn(m, k, generator=g).to(torch.bfloat16), pairs, w, b, 1e-5)
         xf = torch.randn(m, k, generator=g)
         assert torch.equal(torch.ops.entmtp_cpu.bf16_panels_linear(xf, pairs, n, b, True),
                            torch.ops.entmtp_cpu.bf16_panels_linear(xf.to(torch.bfloat16), pairs, n, b, True))
@@ -379,20 +387,11 @@ def test_amx_tiles_are_row_invariant_and_exact_up_to_fp32_sums(n, k, bias):
     k2 = (k + 1) // 2
     assert tiles.shape == ((n + 31) // 32, (k2 + 15) // 16, 16, 64)
     for m in [1, 2, 3, 5, 9, 15, 16, 17, 31, 33, 40]:
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        y = torch.ops.entmtp_cpu.bf16_panels_linear(x, tiles, n, b, True)
-        exact = x.double() @ w.double().T + (b.double() if bias else 0)
-        assert ((y.double() - exact).abs() <= 1e-5 * exact.abs().max()).all(), m
-        alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], tiles, n, b, True) for i in range(m)])
-        assert torch.equal(alone, y), m
+        _panels_rows_check(torch.randn(m, k, generator=g).to(torch.bfloat16), tiles, w, b, 1e-5)
         xf = torch.randn(m, k, generator=g)
-        yf = torch.ops.entmtp_cpu.bf16_panels_linear(xf, tiles, n, b, True)
-        exact_f = xf.double() @ w.double().T + (b.double() if bias else 0)
-        assert ((yf.double() - exact_f).abs() <= 2e-5 * exact_f.abs().max()).all(), m
+        yf = _panels_rows_check(xf, tiles, w, b, 2e-5)
         rounded = torch.ops.entmtp_cpu.bf16_panels_linear(xf.to(torch.bfloat16), tiles, n, b, True)
         assert not torch.equal(yf, rounded), m
-        alone_f = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(xf[i:i + 1], tiles, n, b, True) for i in range(m)])
-        assert torch.equal(alone_f, yf), m
     with pytest.raises(RuntimeError, match="this input width"):
         torch.ops.entmtp_cpu.bf16_panels_linear(torch.randn(2, k + 40).to(torch.bfloat16), tiles, n, b, True)
 
