@@ -75,6 +75,14 @@ MUTANTS = (
            "streamed update can then land in the browser after Clear's)",
            "entmtp/ui_chat.py", "            yield (chat_box, skip, *rest)", "            pass",
            ("tests/test_app_client.py::test_a_cleared_reply_ends_with_the_empty_chat",)),
+    Mutant("kernels_below_stock", "the tuner takes the fastest row-invariant set even where its one-row step is "
+           "slower than stock's (our plain loop would then lose to `generate`)",
+           "entmtp/tuning.py", "not_slower = [t for t in ran if t.ms_by_rows[1] <= limit] or ran", "not_slower = ran",
+           ("tests/test_tuning.py::test_choice_prefers_row_invariant_sets_no_slower_than_stock",)),
+    Mutant("bench_loses_partial_reports", "`entmtp bench` writes its reports only at the end (an interrupt loses "
+           "every prompt it measured)",
+           "entmtp/bench.py", "            on_prompt(runs, i + 1)\n", "            pass\n",
+           ("tests/test_bench.py::test_an_interrupted_bench_keeps_the_reports_of_the_prompts_it_finished",)),
 )
 
 
