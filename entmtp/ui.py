@@ -182,7 +182,8 @@ def _chat_view(examples):
 
 def _race_view(examples):
     c = {}
-    gr.Markdown("One prompt through transformers' `generate` (greedy), our plain loop, Medusa, Hydra and entmtp, "
+    gr.Markdown("One prompt through transformers' `generate` (greedy), our plain loop and every speculative "
+                "method the loaded heads allow (Medusa, Hydra, Hydra++, entmtp), "
                 "each timed alike: the bench's runner called in the worker, nothing else inside the timed window, "
                 "after an untimed warm-up of every method; with repeats the order rotates per round and the table "
                 "keeps each method's median run. **× our loop** and **× generate** are tokens/s ratios; ✓ marks "

@@ -420,6 +420,8 @@ def race_bar_figure(rows: Sequence[dict], height: int = 320) -> go.Figure:
     "tokens_per_s_range" ((lowest, highest) of repeated runs: drawn as the bar's spread).
     """
     ok = [r for r in rows if _finite(r.get("tokens_per_s"))]
+    if not ok:  # before a race (or when none finished): a note, not empty axes
+        return empty_figure("each method's tokens/s appears here after a race", height)
     spread = None
     if any(r.get("tokens_per_s_range") for r in ok):
         lo_hi = [r.get("tokens_per_s_range") or (r["tokens_per_s"], r["tokens_per_s"]) for r in ok]

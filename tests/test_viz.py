@@ -203,6 +203,8 @@ def test_step_chart_race_and_tree_figures(traced):
             {"method": "medusa", "tokens_per_s": None}]
     race = viz.race_bar_figure(rows)
     assert list(race.data[0].y) == [10.0, 25.0] and list(race.data[0].text) == ["×1.00", "×2.50"]
+    blank = viz.race_bar_figure([{"method": "medusa", "tokens_per_s": None}])  # nothing timed: a note, no axes
+    assert not blank.data and "after a race" in blank.layout.annotations[0].text
 
     tf = viz.tree_figure(tree)
     assert len(_trace(tf, "nodes").x) == tree.size
