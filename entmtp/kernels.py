@@ -69,6 +69,7 @@ from .paths import cache_dir
 # panels, fused norms / MLPs / attention, float32 attention). "auto" = measured per machine
 # (`entmtp.tuning`); "packed" = the first packed set available here (onednn, else panels).
 KERNEL_SETS = ("stock", "onednn", "onednn-trees", "panels")
+ONE_ROW_STOCK = ("stock", "onednn-trees")  # sets whose one-row step is transformers' own code path
 KERNELS = ("auto", "packed") + KERNEL_SETS
 AUTO_MAX_BYTES = 2 << 30  # auto packs models whose linear weights total at most this (the twin doubles them)
 
@@ -752,7 +753,7 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return twin, kernels, why
 
 
-__all__ = ["KERNELS", "KERNEL_SETS", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
+__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]
