@@ -93,10 +93,12 @@ class Run:
         return self.new_tokens / self.forwards if self.forwards else 0.0
 
 
-def make_runners(engine, cfg: BenchConfig) -> dict[str, Runner]:
-    """method -> its `methods.Runner` on `engine` (greedy, `cfg.max_new_tokens`)."""
+def make_runners(engine, cfg: BenchConfig, stock_process=None) -> dict[str, Runner]:
+    """method -> its `methods.Runner` on `engine` (greedy, `cfg.max_new_tokens`); transformers'
+    methods in `stock_process` (a `stock_process.StockProcess`) when given."""
     return {m: make_runner(engine, m, cfg.max_new_tokens, tree=cfg.tree, scheduler=cfg.scheduler if m == "entmtp" else None,
-                           bank=cfg.bank, lookup=cfg.lookup, lookup_min_ngram=cfg.lookup_min_ngram, pld_tokens=cfg.pld_tokens)
+                           bank=cfg.bank, lookup=cfg.lookup, lookup_min_ngram=cfg.lookup_min_ngram, pld_tokens=cfg.pld_tokens,
+                           stock_process=stock_process)
             for m in cfg.methods}
 
 
@@ -413,12 +415,22 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
             "lookup": {m: looks[m]["lookup"] for m in looks},
             "lookup_min_ngram": {m: looks[m]["lookup_min_ngram"] for m in looks if looks[m]["lookup"]},
             "greedy_lm_head": "screened (bf16 screen + exact fp32 recheck)" if engine.screened is not None else "full",
-            "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers)",
+            "kernels": f"{engine.kernels}: {engine.kernels_reason} (hf and pld: stock transformers{_where_stock(runners)})",
+            "stock_process": next((r.stock.info for r in runners.values() if r.stock is not None), None),
             "recorded_trees": recorded_trees(engine, cfg.methods),
             # what each method ran: its heads and the tree or scheduler (tuned on this machine unless overridden)
             "decoded_with": {m: (f"{r.label} ({r.heads} heads)" if r.heads else r.label)
                              for m, r in runners.items()},
             "overrides": {"tree": cfg.tree, "bank": cfg.bank}}
+
+
+def _where_stock(runners: dict[str, Runner]) -> str:
+    """Where transformers' methods ran, for the report."""
+    stock = next((r for r in runners.values() if r.stock is not None), None)
+    if stock is None:
+        return ", in this process"
+    return (f", in a process of their own: OpenMP waiting {stock.stock.info.get('wait_policy', '?')}, "
+            f"{stock.threads or stock.stock.info.get('threads', '?')} threads")
 
 
 def terminal_report(summary: dict, methods: Sequence[str]) -> str:

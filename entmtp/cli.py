@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -24,9 +25,10 @@ from .checkpoints import CheckpointError
 from .data import DataError, Prompt, render_prompt
 from .decoding import ContextError, DecodeConfig
 from .kernels import KERNELS
-from .methods import (DEFAULT_LOOKUP, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
+from .methods import (DEFAULT_LOOKUP, METHODS, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
                       method_heads, method_lookup, parse_methods)
 from .models import ModelLoadError, describe_model
+from .stock_process import StockProcess, StockProcessError
 from .trees import TreeError, resolve_tree
 from .verify import UnsupportedModelError
 
@@ -36,7 +38,7 @@ class CLIError(Exception):
 
 
 USER_ERRORS = (CLIError, CheckpointError, DataError, ContextError, ModelLoadError, TreeError, UnsupportedModelError,
-               MethodError, train.TrainError, FileNotFoundError, ValueError)
+               MethodError, StockProcessError, train.TrainError, FileNotFoundError, ValueError)
 
 
 def _say(s: str) -> None:
@@ -451,6 +453,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bank", default=None, help="tree bank for entmtp's scheduler")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     add_lookup_args(p, f"prompt-lookup chain length for every method with heads (default: {_LOOKUP_DEFAULTS}, others 0)")
+    p.add_argument("--stock-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="time hf and pld in a process of their own with OpenMP's default waiting, as a user runs "
+                        "generate (default: on a CPU); --no-stock-process runs them in this process")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="stop after the prompt during which this many seconds have passed (0 = no limit)")
     p.add_argument("--out", default="runs/bench")
@@ -468,7 +473,16 @@ def cmd_bench(args) -> int:
     engine = load_engine_for(model_options(args), cfg.methods)
     command = _command("bench")
     _say(f"# {command}")
-    runners = bench.make_runners(engine, cfg)
+    with contextlib.ExitStack() as stack:
+        stock = None
+        own = args.stock_process if args.stock_process is not None else engine.device.type == "cpu"
+        if own and any(not METHODS[m].ours for m in cfg.methods):
+            _say("starting transformers' methods in a process of their own")
+            stock = stack.enter_context(StockProcess(model_options(args)))
+        return _run_bench(args, cfg, ps, prompts, engine, command, bench.make_runners(engine, cfg, stock_process=stock))
+
+
+def _run_bench(args, cfg, ps, prompts, engine, command, runners) -> int:
     meta = bench.bench_meta(engine, cfg, ps, prompts, command, runners)
     out, methods = Path(args.out), list(cfg.methods)
 

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -297,6 +297,7 @@ class Runner:
     config: Optional[DecodeConfig] = None
     pld_tokens: int = 10
     threads: Optional[int] = None  # torch CPU threads this method decodes with (None: the process's)
+    stock: Optional[Any] = None  # transformers' methods: a `stock_process.StockProcess` decoding them in its own process
 
     @property
     def label(self) -> str:
@@ -309,10 +310,14 @@ class Runner:
         return f"{self.method.label} · {what}{extra}"
 
     def __call__(self, ids: list[int]) -> Output:
+        if self.stock is not None:  # the worker keeps its own thread count
+            return self._decode(ids)
         with torch_threads(self.threads):
             return self._decode(ids)
 
     def _decode(self, ids: list[int]) -> Output:
+        if self.stock is not None:
+            return self.stock.decode(self.method.name, ids, self.max_new_tokens, self.pld_tokens)
         if not self.method.ours:
             extra = {"prompt_lookup_num_tokens": self.pld_tokens} if self.method.name == "pld" else {}
             return hf_generate(self.engine, ids, self.max_new_tokens, **extra)
@@ -328,6 +333,9 @@ def fit_stock_threads(runner: Runner, ids: list[int], repeats: int = 2) -> Optio
     must not time `generate` with a count chosen for us. Returns the count (None: ours, or a GPU)."""
     if runner.method.ours or runner.engine.device.type != "cpu":
         return None
+    if runner.stock is not None:  # timed in the worker, with the worker's OpenMP
+        runner.threads = runner.stock.fit_threads(runner.method.name, ids, runner.max_new_tokens, runner.pld_tokens)
+        return runner.threads
     best: dict[int, float] = {}
     for n in sorted({1, default_threads()}):
         with torch_threads(n):
@@ -342,12 +350,14 @@ def fit_stock_threads(runner: Runner, ids: list[int], repeats: int = 2) -> Optio
 def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optional[str] = None,
                 scheduler: Optional[str] = None, bank: Optional[str] = None, lookup: Optional[int] = None,
                 lookup_min_ngram: Optional[int] = None, pld_tokens: int = 10, config: Optional[DecodeConfig] = None,
-                progress: Optional[Callable[[str], object]] = _stderr) -> Runner:
+                progress: Optional[Callable[[str], object]] = _stderr, stock_process: Optional[Any] = None) -> Runner:
     """`method` ready to decode on `engine` (greedy unless `config` says otherwise; its
-    max_new_tokens and lookup fields are set here). tree / scheduler / bank: see `build_scheduler`."""
+    max_new_tokens and lookup fields are set here). tree / scheduler / bank: see `build_scheduler`.
+    stock_process: a `stock_process.StockProcess` that decodes transformers' methods in a process of
+    their own (None: in this one)."""
     m = get_method(method)
     if not m.ours:
-        return Runner(m, engine, max_new_tokens, pld_tokens=pld_tokens)
+        return Runner(m, engine, max_new_tokens, pld_tokens=pld_tokens, stock=stock_process)
     heads = method_heads(method, engine=engine)
     if heads is not None and heads not in engine.runners:
         raise MethodError(f"{method} needs {heads} heads, which are not loaded (have: {', '.join(engine.runners) or 'none'})")

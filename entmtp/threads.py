@@ -16,6 +16,9 @@ import os
 import sys
 
 DEFAULT_WAIT_POLICY = "PASSIVE"
+# the policy the environment asked for before entmtp set its default (None: OpenMP's own), for
+# processes that should wait as a plain transformers program does (`entmtp.stock_process`)
+USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 
 def configure_wait_policy() -> str | None:
@@ -57,4 +60,4 @@ def torch_threads(n: int | None):
             torch.set_num_threads(old)
 
 
-__all__ = ["DEFAULT_WAIT_POLICY", "configure_wait_policy", "threads_override", "default_threads", "torch_threads"]
+__all__ = ["DEFAULT_WAIT_POLICY", "USER_WAIT_POLICY", "configure_wait_policy", "threads_override", "default_threads", "torch_threads"]

@@ -161,6 +161,29 @@ class LoadedModel:
     checked: float = 0.0
     tried: dict[str, float] = field(default_factory=dict)  # heads name -> config.json mtime last tried
     warm: bool = False  # the race's untimed warm-up ran
+    stock: Any = None  # a `stock_process.StockProcess` timing generate in a process of its own (the Race)
+    stock_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def stock_process(self):
+        """The worker that runs transformers' methods for the Race, started on first use (CPU only:
+        on a GPU OpenMP's waiting does not matter, and generate runs in this process)."""
+        if self.engine.device.type != "cpu":
+            return None
+        from .methods import ModelOptions
+        from .stock_process import StockProcess
+
+        with self.stock_lock:
+            if self.stock is None or self.stock.proc.poll() is not None:
+                self.stock = StockProcess(ModelOptions(model=self.spec, dtype=str(self.engine.dtype).removeprefix("torch."),
+                                                       device=str(self.engine.device)))
+            return self.stock
+
+    def close(self) -> None:
+        """Stop the entry's worker process (the entry left the cache)."""
+        with self.stock_lock:
+            if self.stock is not None:
+                self.stock.close()
+                self.stock = None
 
     def refresh_heads(self, min_interval: float = 5.0) -> None:
         """Load heads that appeared (or changed) since the last try, e.g. when training just
@@ -348,12 +371,14 @@ class EngineCache:
                     with self._lock:
                         self._entries[key] = entry
                         while len(self._entries) > self.size:
-                            self._entries.popitem(last=False)
+                            self._entries.popitem(last=False)[1].close()
         entry.refresh_heads()
         return entry
 
     def clear(self) -> None:
         with self._lock:
+            for entry in self._entries.values():
+                entry.close()
             self._entries.clear()
 
 

@@ -134,7 +134,7 @@ def _race_table(rows: list[dict]) -> list[list]:
     return out
 
 
-def machine_line(engine, stock_threads: Optional[int] = None) -> str:
+def machine_line(engine, stock_threads: Optional[int] = None, own_process: bool = False) -> str:
     """Where the race ran: CPU or GPU, dtype, kernels, threads (`stock_threads`: generate's own)."""
     import torch
 
@@ -145,14 +145,17 @@ def machine_line(engine, stock_threads: Optional[int] = None) -> str:
     cpu = engine.device.type == "cpu"
     threads = f", {torch.get_num_threads()} threads" if cpu else ""
     stock = f", {stock_threads} thread{'s' if stock_threads > 1 else ''} (its fastest)" if cpu and stock_threads else ""
+    if own_process:
+        stock = f" in a process of its own{stock}"
     return (f"{what} · {str(engine.dtype).removeprefix('torch.')} · our loop on {engine.kernels} kernels{threads}, "
             f"generate on transformers' own{stock}")
 
 
-def _runner(engine, method: str, n_new: int, notes: list[str]):
-    """The bench's runner for `method`; entmtp without an entropy bank runs its static tree (said)."""
+def _runner(engine, method: str, n_new: int, notes: list[str], stock=None):
+    """The bench's runner for `method` (transformers' methods in `stock`, a worker process, when
+    given); entmtp without an entropy bank runs its static tree (said)."""
     try:
-        return registry.make_runner(engine, method, n_new, progress=None)
+        return registry.make_runner(engine, method, n_new, progress=None, stock_process=stock)
     except Exception as exc:  # noqa: BLE001
         if method != "entmtp":
             raise
@@ -182,7 +185,8 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
         notices = list(probe.notices)
         plan, why_not = race_plan(entry)
         notices += why_not
-        runners = {m: _runner(engine, m, n_new, notices) for m in plan}
+        stock = entry.stock_process() if "hf" in plan else None  # generate as a user runs it: its own process
+        runners = {m: _runner(engine, m, n_new, notices, stock) for m in plan}
     except Exception as exc:  # noqa: BLE001
         msg = error_message(exc)
         gr.Warning(msg)
@@ -219,5 +223,5 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
     n_spec = sum(1 for r in rows if r["method"] not in ("hf", "baseline"))
     status = (f'<div class="entmtp-stats">done: {len(rows)} methods × {n_rep} run{"s" if n_rep > 1 else ""}, '
               f"interleaved after a warm-up; {same} of {len(rows) - 1} token-identical to generate, {same_ours} of "
-              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine, runners['hf'].threads if 'hf' in runners else None))}</div>")
+              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine, runners['hf'].threads if 'hf' in runners else None, stock is not None))}</div>")
     yield (_race_table(rows), viz.race_bar_figure(rows), _race_cards(rows), _notice_md(notices) + status)

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 
 from conftest import random_heads, save_tiny_base
 from entmtp import cli
@@ -53,6 +54,11 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert "kernels: our plain loop / hf generate tokens/s" in printed.out
     assert "token-identical to hf: pld 100%, baseline 100%" in printed.out and "Hydra-family" not in printed.out
     assert "* token-identical to hf:" in report
+    # hf and pld ran in a worker process with the environment's own OpenMP waiting, not entmtp's passive
+    from entmtp.threads import USER_WAIT_POLICY
+    worker = s["meta"]["stock_process"]
+    assert worker["wait_policy"] == (USER_WAIT_POLICY or "default") and worker["pid"] != os.getpid()
+    assert "(hf and pld: stock transformers, in a process of their own: OpenMP waiting" in report
 
 
 def _tiny_bench(tmp_path, n=4):
@@ -61,6 +67,15 @@ def _tiny_bench(tmp_path, n=4):
     prompts.write_text("\n".join(json.dumps({"question_id": f"q{i}", "turns": [f"hello world {i}"]}) for i in range(n)))
     return ["bench", "--base", str(tmp_path / "base"), "--prompts", str(prompts), "--methods", "hf,baseline",
             "--max-new-tokens", "6", "--out", str(tmp_path / "bench")]
+
+
+def test_no_stock_process_times_generate_in_this_process(tmp_path, capsys):
+    code = cli.main(_tiny_bench(tmp_path, n=2) + ["--no-stock-process"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    s = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert s["meta"]["stock_process"] is None and s["methods"]["baseline"]["identical_to_hf"] == 1.0
+    assert "(hf and pld: stock transformers, in this process)" in (tmp_path / "bench" / "report.md").read_text()
 
 
 def test_max_seconds_stops_after_a_whole_prompt_and_says_so(tmp_path, capsys):
