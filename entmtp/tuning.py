@@ -216,17 +216,15 @@ def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
     if not ran:
         return "stock", "no kernel set could be measured; transformers' own kernels", False
     limit = stock.ms_by_rows[1] * NOT_SLOWER if stock is not None else float("inf")
-    # our plain loop never slower than stock's; a set whose one-row step *is* stock's code path
-    # counts as not slower whatever the timing noise of its trial says
-    not_slower = [t for t in ran if t.name in ONE_ROW_STOCK or t.ms_by_rows[1] <= limit] or ran
+
+    def one_row(t: KernelTrial) -> float:
+        # a set whose one-row step *is* stock's code path costs stock's, whatever its own trial's noise
+        shared = stock is not None and t.name in ONE_ROW_STOCK
+        return min(t.ms_by_rows[1], stock.ms_by_rows[1]) if shared else t.ms_by_rows[1]
+
+    not_slower = [t for t in ran if one_row(t) <= limit] or ran  # our plain loop never slower than stock's
     exact = [t for t in not_slower if t.row_invariant]
-
-    def cost(t: KernelTrial) -> float:  # tree_ms, with stock's one-row time for sets that share its path
-        if stock is None or t.name not in ONE_ROW_STOCK:
-            return t.tree_ms()
-        return t.tree_ms() - t.ms_by_rows[1] + min(t.ms_by_rows[1], stock.ms_by_rows[1])
-
-    pick = min(exact or not_slower, key=cost)
+    pick = min(exact or not_slower, key=lambda t: t.tree_ms() - t.ms_by_rows[1] + one_row(t))
     one, tree = pick.ms_by_rows[1], pick.tree_ms() - pick.ms_by_rows[1]
     versus = ""
     if stock is not None and pick is not stock:

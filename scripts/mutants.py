@@ -77,12 +77,11 @@ MUTANTS = (
            ("tests/test_app_client.py::test_a_cleared_reply_ends_with_the_empty_chat",)),
     Mutant("kernels_below_stock", "the tuner takes the fastest row-invariant set even where its one-row step is "
            "slower than stock's (our plain loop would then lose to `generate`)",
-           "entmtp/tuning.py", "not_slower = [t for t in ran if t.name in ONE_ROW_STOCK or t.ms_by_rows[1] <= limit] or ran",
-           "not_slower = ran",
+           "entmtp/tuning.py", "not_slower = [t for t in ran if one_row(t) <= limit] or ran", "not_slower = ran",
            ("tests/test_tuning.py::test_choice_prefers_row_invariant_sets_no_slower_than_stock",)),
-    Mutant("shared_one_row_judged_by_noise", "a set whose one-row step is stock's own path is dropped when its "
-           "noisy one-row timing comes out over stock's (float32 trees then fall back to stock's)",
-           "entmtp/tuning.py", "if t.name in ONE_ROW_STOCK or t.ms_by_rows[1] <= limit]", "if t.ms_by_rows[1] <= limit]",
+    Mutant("shared_one_row_judged_by_noise", "a set whose one-row step is stock's own path is judged and ranked by its "
+           "own noisy one-row timing (float32 trees then fall back to stock's)",
+           "entmtp/tuning.py", "shared = stock is not None and t.name in ONE_ROW_STOCK", "shared = False",
            ("tests/test_tuning.py::test_choice_prefers_row_invariant_sets_no_slower_than_stock",)),
     Mutant("bench_loses_partial_reports", "`entmtp bench` writes its reports only at the end (an interrupt loses "
            "every prompt it measured)",
