@@ -346,6 +346,30 @@ def write_reports(out: Path, runs: list[Run], summary: dict, methods: list[str],
         _write_html(out, summary, methods, meta)
 
 
+class Reports:
+    """A bench run's reports under `out`, kept current: `keep` after every whole prompt (so an
+    interrupt or a killed job leaves the prompts done on disk), `final` at the end (with the html).
+    done: prompts whose reports are on disk."""
+
+    def __init__(self, out: Path, meta: dict, methods: Sequence[str], planned: int):
+        self.out, self.meta, self.methods, self.planned, self.done = out, meta, list(methods), planned, 0
+
+    def _write(self, runs: list[Run], done: int, html: bool, stopped: str) -> dict:
+        summary = summarize(runs, self.methods)
+        write_reports(self.out, runs, summary, self.methods,
+                      {**self.meta, "prompts": done, "planned_prompts": self.planned, "stopped": stopped}, html=html)
+        return summary
+
+    def keep(self, runs: list[Run], done: int) -> None:
+        """`run_bench`'s on_prompt: the reports so far, marked as stopped early until `final`."""
+        self._write(runs, done, html=False, stopped="interrupted")
+        self.done = done  # only once its reports are on disk
+
+    def final(self, runs: list[Run], stopped: str = "") -> dict:
+        """The whole run's reports, html included; returns the summary."""
+        return self._write(runs, self.done, html=True, stopped=stopped if self.done < self.planned else "")
+
+
 def _prompt_count(meta: dict) -> str:
     done, planned = meta["prompts"], meta.get("planned_prompts", meta["prompts"])
     return f"{done} prompts" if done == planned else f"{done} of {planned} prompts (stopped early: {meta.get('stopped', 'interrupted')})"
@@ -445,5 +469,5 @@ def terminal_report(summary: dict, methods: Sequence[str]) -> str:
 
 
 __all__ = ["ALL_METHODS", "BenchConfig", "Run", "make_runners", "recorded_trees", "run_bench", "summarize", "headline",
-           "headline_lines", "spread", "markdown_table", "write_reports", "take_per_category", "load_bench_prompts", "bench_meta",
+           "headline_lines", "spread", "markdown_table", "write_reports", "Reports", "take_per_category", "load_bench_prompts", "bench_meta",
            "terminal_report"]

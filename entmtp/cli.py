@@ -483,39 +483,23 @@ def cmd_bench(args) -> int:
 
 
 def _run_bench(args, cfg, ps, prompts, engine, command, runners) -> int:
-    meta = bench.bench_meta(engine, cfg, ps, prompts, command, runners)
-    out, methods = Path(args.out), list(cfg.methods)
-
-    def report(runs: list, done: int, html: bool, stopped: str = "") -> dict:
-        summary = bench.summarize(runs, methods)
-        bench.write_reports(out, runs, summary, methods,
-                            {**meta, "prompts": done, "planned_prompts": len(prompts), "stopped": stopped}, html=html)
-        return summary
-
-    # partial reports after every prompt: an interrupt or a killed job keeps what was measured
-    state = {"done": 0}
-
-    def keep(runs: list, done: int) -> None:
-        report(runs, done, html=False, stopped="interrupted")
-        state["done"] = done  # only once its reports are on disk
-
-    runs: list = []
+    out = Path(args.out)
+    reports = bench.Reports(out, bench.bench_meta(engine, cfg, ps, prompts, command, runners), cfg.methods, len(prompts))
     try:
         runs = bench.run_bench(engine, prompts, cfg, progress=lambda s: print(s, file=sys.stderr, end="\r"),
-                               runners=runners, on_prompt=keep)
+                               runners=runners, on_prompt=reports.keep)
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        if state["done"]:
-            _say(f"interrupted after {state['done']} of {len(prompts)} prompts; their reports are in {out}/")
+        if reports.done:
+            _say(f"interrupted after {reports.done} of {len(prompts)} prompts; their reports are in {out}/")
         else:
             _say("interrupted before the first prompt finished; no report written")
         return 130
-    done = state["done"]
-    summary = report(runs, done, html=True, stopped=f"--max-seconds {cfg.max_seconds:g}" if done < len(prompts) else "")
+    summary = reports.final(runs, stopped=f"--max-seconds {cfg.max_seconds:g}")
     print(file=sys.stderr)
     print(bench.terminal_report(summary, cfg.methods))
-    if done < len(prompts):
-        print(f"stopped early (--max-seconds {cfg.max_seconds:g}): {done} of {len(prompts)} prompts")
+    if reports.done < len(prompts):
+        print(f"stopped early (--max-seconds {cfg.max_seconds:g}): {reports.done} of {len(prompts)} prompts")
     print(f"reports: {out}/summary.json, runs.csv, report.md, report.html")
     return 0
 
