@@ -78,12 +78,8 @@ receive() {  # on the device: the carried part is already in place; say what is 
   ls -l "$STAGE"/part-* 2>/dev/null || die "no staged part arrived"
 }
 
-bench() {
-  local device=cuda
-  [ "${1:-}" = "--device" ] && device=${2:?}
-  local out=${OUT:-runs/gpu-bench}
-  mkdir -p "$out"
-  exec > >(tee "$out/gpu_bench.log") 2>&1
+unpack() {  # the staged payload -> wheels installed in /tmp/entmtp-site, the GGUF as the embedded model
+  local device=$1
   ls "$STAGE"/part-* > /dev/null 2>&1 || die "no staged parts in $STAGE (run stage here, then the receive calls)"
   rm -rf "$STAGE/payload" && cat "$STAGE"/part-* | tar -C "$STAGE" -xf - || die "the staged parts do not unpack (a part missing?)"
   (cd "$STAGE/payload" && sha256sum -c --quiet SHA256SUMS) || die "a staged file does not match its checksum"
@@ -109,6 +105,15 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "dev
       torch.cuda.get_device_name(0) if dev == "cuda" and torch.cuda.is_available() else "")
 assert dev != "cuda" or torch.cuda.is_available(), "CUDA is not available"
 EOF
+}
+
+bench() {
+  local device=cuda
+  [ "${1:-}" = "--device" ] && device=${2:?}
+  local out=${OUT:-runs/gpu-bench}
+  mkdir -p "$out"
+  exec > >(tee "$out/gpu_bench.log") 2>&1
+  unpack "$device"
   # every method on one prompt per category, 16 tokens, in one process: a failure shows in a minute
   "$PY" -m entmtp bench --model default --device "$device" --dtype bfloat16 --methods "$METHODS" \
     --per-category 1 --max-new-tokens 16 --out "/tmp/entmtp-smoke-$device" > /dev/null || die "the smoke run failed (log above)"
@@ -117,9 +122,12 @@ EOF
     --per-category "$PER_CATEGORY" --max-new-tokens 128 --max-seconds "$MAX_SECONDS" --out "$out/bench-$device-bf16"
 }
 
-case "${1:-}" in
-  stage) stage ;;
-  receive) receive ;;
-  bench) shift; bench "$@" ;;
-  *) die "usage: bash scripts/gpu_bench.sh {stage|receive|bench [--device cpu|cuda]}" ;;
-esac
+# scripts/gpu_train.sh sources this file for stage, receive and unpack
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in
+    stage) stage ;;
+    receive) receive ;;
+    bench) shift; bench "$@" ;;
+    *) die "usage: bash scripts/gpu_bench.sh {stage|receive|bench [--device cpu|cuda]}" ;;
+  esac
+fi
