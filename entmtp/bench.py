@@ -32,6 +32,7 @@ from .hardware import hardware_class, synchronize
 from .methods import HYDRA_FAMILY, METHODS, Runner, fit_stock_threads, make_runner, method_heads, method_lookup, parse_methods
 from .models import describe_model
 from .scheduler import recorded_default
+from .stock_process import where_stock_ran
 
 ALL_METHODS = tuple(METHODS)
 
@@ -451,10 +452,7 @@ def bench_meta(engine, cfg: BenchConfig, ps: PromptSet, prompts: list, command: 
 def _where_stock(runners: dict[str, Runner]) -> str:
     """Where transformers' methods ran, for the report."""
     stock = next((r for r in runners.values() if r.stock is not None), None)
-    if stock is None:
-        return ", in this process"
-    return (f", in a process of their own: OpenMP waiting {stock.stock.info.get('wait_policy', '?')}, "
-            f"{stock.threads or stock.stock.info.get('threads', '?')} threads")
+    return ", " + (where_stock_ran(None) if stock is None else where_stock_ran(stock.stock.info, stock.threads))
 
 
 def terminal_report(summary: dict, methods: Sequence[str]) -> str:

@@ -37,6 +37,15 @@ sp.serve()
 """
 
 
+
+def where_stock_ran(info: Optional[dict], threads: Optional[int] = None) -> str:
+    """Where transformers' methods ran, in the words both the bench report and the app's Race use:
+    `info` is a worker's load answer (`StockProcess.info`), None when they ran in this process."""
+    if info is None:
+        return "in this process" + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+    n = threads or info.get("threads", "?")
+    return f"in a process of their own (OpenMP waiting {info.get('wait_policy', '?')}, {n} thread{'s' if n != 1 else ''})"
+
 class StockProcessError(RuntimeError):
     """The worker could not start, or failed a request (its message is the worker's one line)."""
 
@@ -155,4 +164,4 @@ def serve() -> None:
             answer({"error": f"generate process: {msg}"})
 
 
-__all__ = ["StockProcess", "StockProcessError", "serve"]
+__all__ = ["StockProcess", "StockProcessError", "serve", "where_stock_ran"]

@@ -14,6 +14,8 @@ Configuration (environment):
   lossless on this machine, measured at load; see `ui_common.app_dtype`).
 * ENTMTP_APP_CACHE: how many models the engine cache keeps (LRU, default 2).
 * ENTMTP_APP_ALLOW_HUB: "0" forbids loading other Hugging Face repo ids from the browser.
+* ENTMTP_APP_STOCK_PROCESS: "0" times `generate` in the app's own process rather than in a worker
+  holding a second copy of the model (for small Spaces; the Race then says where it ran).
 * ENTMTP_TUNE: "0" skips the self-tuning (the Machine view then says "not measured").
 
 Nothing is fetched from outside at page load: the theme uses the system's fonts, plotly and

@@ -166,8 +166,10 @@ class LoadedModel:
 
     def stock_process(self):
         """The worker that runs transformers' methods for the Race, started on first use (CPU only:
-        on a GPU OpenMP's waiting does not matter, and generate runs in this process)."""
-        if self.engine.device.type != "cpu":
+        on a GPU OpenMP's waiting does not matter, and generate runs in this process). It holds a
+        second copy of the model; ENTMTP_APP_STOCK_PROCESS=0 keeps generate in this process instead
+        (where memory is tight; the Race then says so)."""
+        if self.engine.device.type != "cpu" or os.environ.get("ENTMTP_APP_STOCK_PROCESS", "1").strip() == "0":
             return None
         from .methods import ModelOptions
         from .stock_process import StockProcess

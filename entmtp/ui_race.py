@@ -134,21 +134,21 @@ def _race_table(rows: list[dict]) -> list[list]:
     return out
 
 
-def machine_line(engine, stock_threads: Optional[int] = None, own_process: bool = False) -> str:
-    """Where the race ran: CPU or GPU, dtype, kernels, threads (`stock_threads`: generate's own)."""
+def machine_line(engine, stock_threads: Optional[int] = None, stock_info: Optional[dict] = None) -> str:
+    """Where the race ran: CPU or GPU, dtype, kernels, threads; where generate ran (`stock_info`: its
+    worker's, None when in this process; `stock_threads`: its own), in the bench report's words."""
     import torch
 
     from .hardware import fingerprint, hardware_class
+    from .stock_process import where_stock_ran
 
     fp = fingerprint(engine.device)
     what = fp.get("gpu") or f"{fp.get('cpu', '?')} ({hardware_class(engine.device)}, {fp.get('cores', '?')} cores)"
     cpu = engine.device.type == "cpu"
     threads = f", {torch.get_num_threads()} threads" if cpu else ""
-    stock = f", {stock_threads} thread{'s' if stock_threads > 1 else ''} (its fastest)" if cpu and stock_threads else ""
-    if own_process:
-        stock = f" in a process of its own{stock}"
-    return (f"{what} · {str(engine.dtype).removeprefix('torch.')} · our loop on {engine.kernels} kernels{threads}, "
-            f"generate on transformers' own{stock}")
+    where = where_stock_ran(stock_info, stock_threads if cpu else None)
+    return (f"{what} · {str(engine.dtype).removeprefix('torch.')} · our loop on {engine.kernels} kernels{threads} · "
+            f"generate on transformers' own, {where}")
 
 
 def _runner(engine, method: str, n_new: int, notes: list[str], stock=None):
@@ -223,5 +223,5 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
     n_spec = sum(1 for r in rows if r["method"] not in ("hf", "baseline"))
     status = (f'<div class="entmtp-stats">done: {len(rows)} methods × {n_rep} run{"s" if n_rep > 1 else ""}, '
               f"interleaved after a warm-up; {same} of {len(rows) - 1} token-identical to generate, {same_ours} of "
-              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine, runners['hf'].threads if 'hf' in runners else None, stock is not None))}</div>")
+              f"{n_spec} speculative methods identical to our plain loop · {html.escape(machine_line(engine, runners['hf'].threads if 'hf' in runners else None, stock.info if stock is not None else None))}</div>")
     yield (_race_table(rows), viz.race_bar_figure(rows), _race_cards(rows), _notice_md(notices) + status)

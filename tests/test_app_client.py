@@ -235,6 +235,28 @@ def test_race_runs_every_method_interleaved(client):
     assert cards.count('class="entmtp-card"') == 5
     assert "done: 5 methods × 2 runs, interleaved after a warm-up" in status and "float32" in status
     assert "hydra++ is not in the race" not in status  # Hydra's own row stands for the family
+    # generate timed as a user runs it, said in the bench report's words
+    assert "generate on transformers&#x27; own, in a process of their own (OpenMP waiting" in status
+
+
+def test_the_race_can_keep_generate_in_this_process(monkeypatch):
+    """ENTMTP_APP_STOCK_PROCESS=0 (a small Space: no second copy of the model) keeps generate in
+    the app's process, and the Race's machine line says so."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from entmtp.ui_common import LoadedModel
+    from entmtp.ui_race import machine_line
+
+    engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, kernels="stock")
+    entry = LoadedModel("k", "default", "default", engine)
+    monkeypatch.setenv("ENTMTP_APP_STOCK_PROCESS", "0")
+    assert entry.stock_process() is None and entry.stock is None
+    line = machine_line(engine, 2, None)
+    assert line.endswith("generate on transformers' own, in this process, 2 threads")
+    info = {"wait_policy": "default (unset)", "threads": 2}
+    assert machine_line(engine, 1, info).endswith("in a process of their own (OpenMP waiting default (unset), 1 thread)")
 
 
 def test_race_rejects_an_empty_prompt(client):

@@ -58,7 +58,7 @@ def test_bench_end_to_end(tmp_path, capsys):
     from entmtp.threads import USER_WAIT_POLICY
     worker = s["meta"]["stock_process"]
     assert worker["wait_policy"] == (USER_WAIT_POLICY or "default") and worker["pid"] != os.getpid()
-    assert "(hf and pld: stock transformers, in a process of their own: OpenMP waiting" in report
+    assert "(hf and pld: stock transformers, in a process of their own (OpenMP waiting" in report
 
 
 def _tiny_bench(tmp_path, n=4):
