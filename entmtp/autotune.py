@@ -27,15 +27,18 @@ import torch
 
 from .bank import compare_on, fit_entropy_bank
 from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency
+from .lookup import chain_outcomes
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .trees import Tree
 from .tuning import machine_dir, model_key
 
 ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
-TREES_FORMAT = "entmtp-tuned-trees/1"
+TREES_FORMAT = "entmtp-tuned-trees/2"  # /2: the prompt-lookup choice
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CUDA_SIZES = CPU_SIZES + (48, 64, 96, 128)
+LOOKUP_LENGTH = 4  # tokens of the prompt-lookup branch a method with heads grafts (methods.py: entmtp)
+LOOKUP_MIN_NGRAMS = (1, 2, 3)  # the shortest matched n-gram grafted, the choices `choose_lookup` scores
 
 
 @dataclass
@@ -52,13 +55,18 @@ class TunedTrees:
     why: str = ""
     stats_steps: int = 0
     meta: dict = field(default_factory=dict)
+    # the prompt-lookup branch: shortest grafted n-gram (0: no branch; None: not scored, no tokens
+    # in the statistics), and the predicted speedup over plain decoding of each choice ("off", "1", ...)
+    lookup_min_ngram: Optional[int] = None
+    lookup_speedups: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": TREES_FORMAT, "heads": self.heads, "tree": [list(p) for p in self.tree.paths],
                 "tree_name": self.tree.name, "predicted_tau": self.predicted_tau,
                 "predicted_speedup": self.predicted_speedup, "latency": self.latency.to_json(),
                 "bank": self.bank.to_json() if self.bank is not None else None, "bank_speedup": self.bank_speedup,
-                "why": self.why, "stats_steps": self.stats_steps, "meta": self.meta}
+                "why": self.why, "stats_steps": self.stats_steps, "meta": self.meta,
+                "lookup_min_ngram": self.lookup_min_ngram, "lookup_speedups": self.lookup_speedups}
 
     @staticmethod
     def from_json(d: dict) -> "TunedTrees":
@@ -71,7 +79,8 @@ class TunedTrees:
                                           b["table"], b.get("draft_edges"), b.get("meta"))
         return TunedTrees(d["heads"], Tree.from_paths(d["tree"], d.get("tree_name", "tuned")), float(d["predicted_tau"]),
                           float(d["predicted_speedup"]), LatencyModel.from_json(d["latency"]), bank,
-                          d.get("bank_speedup"), d.get("why", ""), int(d.get("stats_steps", 0)), d.get("meta") or {})
+                          d.get("bank_speedup"), d.get("why", ""), int(d.get("stats_steps", 0)), d.get("meta") or {},
+                          d.get("lookup_min_ngram"), d.get("lookup_speedups") or {})
 
     def summary(self) -> str:
         bank = f"; entropy bank {self.bank_speedup:.2f}x" if self.bank_speedup else ""
@@ -133,7 +142,55 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
         trees = [Tree(c.tree.paths, f"tuned-{heads}-n{c.n_nodes}-d{c.depth}") for c in pool]
         out.bank, out.bank_speedup, note = choose_bank(stats, trees, tree, latency)
         out.why += f"; {note}"
+    choice = choose_lookup(stats, tree, latency)
+    if choice is not None:
+        out.lookup_min_ngram, out.lookup_speedups, note = choice
+        out.why += f"; {note}"
     return out
+
+
+def lookup_speedup(stats: CalibrationStats, tree: Tree, latency: LatencyModel, length: int, min_ngram: int) -> float:
+    """Predicted speedup over plain decoding of `tree` with a prompt-lookup branch of `length`
+    tokens grafted after matches of >= `min_ngram` tokens (length 0: no branch), replaying the
+    statistics' greedy continuations: a step accepts the longer of the heads' path and the copied
+    chain, and verifies the tree's rows plus the chain's rows beyond the heads' accepted ones."""
+    L = stats.accepted_lengths(tree)
+    look: dict[tuple[str, int], tuple[int, int]] = {}
+    if length:
+        for pid, info in stats.prompts.items():
+            for o, pa in enumerate(chain_outcomes(info["prompt_ids"], info["answer_ids"], int(info["n_positions"]),
+                                                  length, min_ngram)):
+                look[(pid, o)] = pa
+    recs = stats.records
+    tokens = seconds = 0.0
+    for _, k, accepted, emitted in stats.replay_steps(
+            lambda k: max(int(L[k]), look.get((recs[k].prompt_id, recs[k].position), (0, 0))[1])):
+        proposed, chain_ok = look.get((recs[k].prompt_id, recs[k].position), (0, 0))
+        extra = proposed - min(chain_ok, int(L[k])) if proposed else 0  # shared with the accepted heads path
+        tokens += emitted
+        seconds += latency.cost(tree.n_nodes + extra, max(tree.depth, proposed))
+    return tokens / seconds * latency.baseline_s if seconds else 0.0
+
+
+def choose_lookup(stats: CalibrationStats, tree: Tree, latency: LatencyModel, length: int = LOOKUP_LENGTH
+                  ) -> Optional[tuple[int, dict[str, float], str]]:
+    """The prompt-lookup branch that pays here: no branch, or `length` tokens after matches of at
+    least 1, 2 or 3 tokens, whichever predicts the most tokens/s with `tree` (`lookup_speedup`:
+    hardware-independent continuations, step times measured here; a branch costs rows, which are
+    nearly free on one machine and dear on another). None when the statistics hold no tokens
+    (older files). Returns (shortest grafted n-gram, 0 for none; predicted speedups; why)."""
+    if stats.mode != "trace" or not stats.prompts or not all(
+            "prompt_ids" in p and "answer_ids" in p for p in stats.prompts.values()):
+        return None
+    scores = {"off": lookup_speedup(stats, tree, latency, 0, 1)}
+    for n in LOOKUP_MIN_NGRAMS:
+        scores[str(n)] = lookup_speedup(stats, tree, latency, length, n)
+    best = max(scores, key=lambda k: (scores[k], k == "off"))  # a tie keeps the rows
+    chosen = 0 if best == "off" else int(best)
+    table = ", ".join(f"{k}: {v:.3f}x" for k, v in scores.items())
+    note = ("prompt lookup: off" if not chosen else f"prompt lookup: {length} tokens after matches of >= {chosen}") + \
+        f" (predicted speedup by shortest match: {table})"
+    return chosen, {k: round(v, 4) for k, v in scores.items()}, note
 
 
 def choose_bank(stats: CalibrationStats, trees: list[Tree], static: Tree, latency: LatencyModel,
@@ -200,7 +257,7 @@ def bank_file(engine, heads: str) -> Optional[Path]:
     return path
 
 
-__all__ = ["ACCEPTANCE_FILE", "TunedTrees", "shipped_stats", "tune_trees", "choose_bank", "tuned_trees", "trees_path", "bank_file"]
+__all__ = ["ACCEPTANCE_FILE", "LOOKUP_LENGTH", "TunedTrees", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:
@@ -222,6 +279,7 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
                               "paths": [list(p) for p in t.tree.paths], "predicted_tau": round(t.predicted_tau, 3),
                               "predicted_speedup": round(t.predicted_speedup, 3), "bank_speedup": t.bank_speedup,
                               "plain_step_ms": round(t.latency.baseline_s * 1e3, 2), "step_ms_by_nodes_depth1": curve,
+                              "lookup_min_ngram": t.lookup_min_ngram, "lookup_speedups": t.lookup_speedups,
                               "why": t.why}
     return out
 
@@ -249,8 +307,11 @@ def format_profile(p: dict) -> str:
             lines.append(f"{name}: no shipped acceptance statistics (the heads' recorded tree is used)")
             continue
         bank = f"; entropy bank {h['bank_speedup']:.2f}x" if h.get("bank_speedup") else ""
+        look = h.get("lookup_min_ngram")
+        look = ("" if look is None else "; prompt lookup off" if not look else
+                f"; prompt lookup of {LOOKUP_LENGTH} tokens after matches of >= {look}")
         lines.append(f"{name}: tree {h['nodes']} nodes, depth {h['depth']}, predicted tau {h['predicted_tau']:.2f}, "
-                     f"{h['predicted_speedup']:.2f}x plain decoding{bank} -- {h['why']}")
+                     f"{h['predicted_speedup']:.2f}x plain decoding{bank}{look} -- {h['why']}")
     return "\n".join(x for x in lines if x is not None)
 
 

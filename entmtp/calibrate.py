@@ -798,7 +798,11 @@ def _collect_trace(engine: Engine, heads: str, encoded: list[tuple[str, list[int
             n_pos = max(0, max_new_tokens - 1)
             if eos_at is not None:
                 n_pos = min(n_pos, eos_at)
-            prompts[pid] = {"n_positions": n_pos, "eos_at": eos_at, "prompt_tokens": len(ids)}
+            # the tokens themselves: what a prompt-lookup branch would have copied at each position
+            # (`autotune.choose_lookup`), a property of the base's greedy continuation like the ranks
+            prompts[pid] = {"n_positions": n_pos, "eos_at": eos_at, "prompt_tokens": len(ids),
+                            "prompt_ids": [int(x) for x in ids],
+                            "answer_ids": [int(x) for x in (cont if eos_at is None else cont[:eos_at + 1])]}
             if n_pos:
                 seq = list(ids) + cont
                 ranks, ent0, top0 = head_ranks(runner, hid, seq, len(ids) - 1, n_pos, max_rank)

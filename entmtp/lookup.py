@@ -98,3 +98,26 @@ def _grafted(tree: Tree, at: Path_, rank: int, length: int) -> Tree:
         t = Tree.from_paths(list(tree.paths) + extra, name)
         cache[key] = t
     return t
+
+
+def chain_outcomes(prompt_ids: Sequence[int], answer_ids: Sequence[int], positions: int, length: int,
+                   min_ngram: int = 1, max_ngram: int = 3) -> list[tuple[int, int]]:
+    """What the prompt-lookup branch proposes and the base accepts at each decoding position of a
+    known greedy continuation, as the engine drafts it.
+
+    A step starting at position o (o answer tokens emitted before it, answer_ids[o] its root)
+    looks up the context prompt_ids + answer_ids[:o + 1] and proposes up to `length` tokens;
+    greedy verification accepts them while they equal answer_ids[o + 1], answer_ids[o + 2], ...
+    Returns [(proposed, accepted)] for o = 0 .. positions - 1 (proposed 0: no match).
+    Only the tokens matter, not the machine: `autotune.choose_lookup` scores these with step times
+    measured here."""
+    index = NgramIndex(max_ngram)
+    index.extend(prompt_ids)
+    out = []
+    for o in range(min(positions, len(answer_ids))):
+        chain = index.continuation([answer_ids[o]], length, min_ngram)
+        truth = answer_ids[o + 1: o + 1 + len(chain)]
+        accepted = next((i for i, (a, b) in enumerate(zip(chain, truth)) if a != b), min(len(chain), len(truth)))
+        out.append((len(chain), accepted))
+        index.extend([answer_ids[o]])
+    return out

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import scheduler as sched
-from .autotune import bank_file, tuned_trees
+from .autotune import LOOKUP_LENGTH, bank_file, tuned_trees
 from .decoding import DecodeConfig, Engine, GenerationResult
 from .models import load_engine
 from .threads import default_threads, torch_threads
@@ -55,11 +55,9 @@ class Method:
 
 # Prompt lookup: entmtp grafts copied context spans onto its trees; "lookup" is our prompt-lookup
 # decoding (no heads); the others are pure heads. entmtp: 4 tokens (4 -> 8 gained 1% tau for 17% more
-# nodes) after any match. Where a tree row is dear the heads' checkpoint records a longer shortest
-# match per dtype and hardware class (`default_lookup_min_ngram_<dtype>@<class>`, like its trees):
-# bf16 on an AVX2 CPU without bf16 units grafts after >= 2-token matches, since a one-token match
-# grafted a branch on most steps for ~2% more tau and decoded 4-7% slower; in float32 there, where
-# rows are nearly free, it did not (measured on the 2-core AVX2 EPYC: `python scripts/compare_lookup.py`).
+# nodes). Whether the branch pays, and after how short a match, depends on what a tree row costs,
+# so it is chosen per machine (`autotune.choose_lookup`: the shipped greedy continuations replayed
+# with step times measured here); the registry's (4, 1) holds only where nothing was tuned.
 _ALL = (
     Method("hf", "HF generate, greedy", ours=False, about="transformers' greedy `generate`"),
     Method("pld", "HF prompt-lookup decoding", ours=False, about="transformers' prompt-lookup decoding"),
@@ -68,7 +66,7 @@ _ALL = (
     Method("medusa", "Medusa", "medusa", "static", about="Medusa heads, their best static tree"),
     Method("hydra", "Hydra", "hydra", "static", about="Hydra heads, their best static tree"),
     Method("hydra++", "Hydra++", "hydra++", "static", about="Hydra++ heads, their best static tree"),
-    Method("entmtp", "entmtp", FAMILY, "entropy", lookup=(4, 1),
+    Method("entmtp", "entmtp", FAMILY, "entropy", lookup=(LOOKUP_LENGTH, 1),
            about="best Hydra-family heads + entropy-aware tree scheduler + a prompt-lookup branch"),
     Method("dynamic", "dynamic trees", FAMILY, "dynamic", about="best Hydra-family heads + EAGLE-2 style dynamic trees"),
 )
@@ -153,14 +151,18 @@ def method_lookup(method: str, engine=None, heads: Optional[str] = None, *, look
                   min_ngram: Optional[int] = None) -> dict:
     """A method's prompt-lookup fields of `DecodeConfig` ({"lookup": chain length, "lookup_min_ngram":
     shortest grafted n-gram}): `lookup` / `min_ngram` when given (the chain length for every method
-    with heads), else what the method's `heads` on `engine` record for its dtype and hardware, else
-    the registry's default; baseline never looks up."""
+    with heads), else the choice tuned for the method's `heads` on this machine (`autotune.choose_lookup`:
+    none, or the shortest match that pays here), else what the heads record for their dtype and
+    hardware, else the registry's default; baseline never looks up."""
     m = get_method(method)
     if not m.ours or method == "baseline":
         return {"lookup": 0, "lookup_min_ngram": 1}
     length, shortest = m.lookup
+    tuned = tuned_trees(engine, heads, progress=_stderr) if engine is not None and heads and length else None
     recorded = sched.recorded_default(engine, heads, "default_lookup_min_ngram") if engine is not None and heads else None
-    if recorded is not None:
+    if tuned is not None and tuned.lookup_min_ngram is not None:  # scored with step times measured here
+        length, shortest = (length, tuned.lookup_min_ngram) if tuned.lookup_min_ngram else (0, 1)
+    elif recorded is not None:
         if type(recorded) is not int or not 1 <= recorded <= 3:
             raise ValueError(f"the {heads} heads record default_lookup_min_ngram {recorded!r}; it must be 1, 2 or 3")
         shortest = recorded

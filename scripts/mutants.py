@@ -87,6 +87,14 @@ MUTANTS = (
            "every prompt it measured)",
            "entmtp/bench.py", "            on_prompt(runs, i + 1)\n", "            pass\n",
            ("tests/test_bench.py::test_an_interrupted_bench_keeps_the_reports_of_the_prompts_it_finished",)),
+    Mutant("lookup_rows_free", "the prompt-lookup choice ignores the rows a grafted branch adds (a branch then "
+           "always looks free and is chosen where rows are dear)",
+           "entmtp/autotune.py", "seconds += latency.cost(tree.n_nodes + extra, max(tree.depth, proposed))",
+           "seconds += latency.cost(tree.n_nodes, tree.depth)",
+           ("tests/test_search.py::test_trace_replay_with_a_lookup_branch_equals_on_policy_decoding",)),
+    Mutant("lookup_tuning_unused", "entmtp decodes with the registry's prompt-lookup branch whatever was tuned here",
+           "entmtp/methods.py", "    if tuned is not None and tuned.lookup_min_ngram is not None:",
+           "    if False:", ("tests/test_methods.py::test_entmtp_lookup_branch_is_the_one_tuned_here",)),
 )
 
 

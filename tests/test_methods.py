@@ -111,3 +111,25 @@ def test_generate_gets_its_own_fastest_thread_count(monkeypatch):
         assert seen == [want] and torch.get_num_threads() == before
     base = make_runner(eng, "baseline", 4)
     assert methods.fit_stock_threads(base, [5, 6, 7]) is None and base.threads is None  # ours: the engine's count
+
+
+def test_entmtp_lookup_branch_is_the_one_tuned_here(monkeypatch):
+    """entmtp's prompt-lookup branch follows this machine's tuning (`autotune.choose_lookup`): off,
+    or after the shortest match that pays here; explicit values win; untuned, the registry's."""
+    from types import SimpleNamespace
+
+    from entmtp import methods
+
+    engine = SimpleNamespace(runners={"hydra++": SimpleNamespace(heads=SimpleNamespace(meta={}))}, dtype="bfloat16",
+                             device="cpu")
+    tuned = SimpleNamespace(lookup_min_ngram=2)
+    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: tuned)
+    assert method_lookup("entmtp", engine, "hydra++") == {"lookup": 4, "lookup_min_ngram": 2}
+    tuned.lookup_min_ngram = 0  # the branch does not pay here
+    assert method_lookup("entmtp", engine, "hydra++") == {"lookup": 0, "lookup_min_ngram": 1}
+    assert method_lookup("entmtp", engine, "hydra++", lookup=6, min_ngram=3) == {"lookup": 6, "lookup_min_ngram": 3}
+    assert method_lookup("hydra", engine, "hydra++") == {"lookup": 0, "lookup_min_ngram": 1}  # pure heads
+    tuned.lookup_min_ngram = None  # statistics without tokens: the registry's default
+    assert method_lookup("entmtp", engine, "hydra++") == {"lookup": 4, "lookup_min_ngram": 1}
+    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: None)  # ENTMTP_TUNE=0
+    assert method_lookup("entmtp", engine, "hydra++") == {"lookup": 4, "lookup_min_ngram": 1}

@@ -240,6 +240,41 @@ def test_recorded_stats_replay_a_fixed_greedy_trace(heads):
     assert 0 < r0.root_prob <= 1 and r0.root_entropy > 0 and 0 < r0.draft_top1 <= 1 and r0.draft_entropy > 0
 
 
+@pytest.mark.parametrize("heads", ["hydra", "medusa"])
+def test_trace_replay_with_a_lookup_branch_equals_on_policy_decoding(heads):
+    """The trace holds the greedy continuations, so a prompt-lookup branch replays exactly too
+    (`autotune.lookup_speedup`): with every step costing the same, its predicted speedup is the
+    tau of the engine decoding with that tree and branch, for each shortest match; and the rows
+    it adds are what the engine grafts (chain tokens beyond the accepted heads path)."""
+    from entmtp.autotune import choose_lookup, lookup_speedup
+
+    eng = engine_all()
+    stats = collect_stats(eng, heads, PROMPTS, rule="greedy", max_new_tokens=20, batch_size=2, max_rank=10)
+    assert all(len(p["prompt_ids"]) == p["prompt_tokens"] and len(p["answer_ids"]) >= p["n_positions"] + 1
+               for p in stats.prompts.values())
+    flat = LatencyModel(1.0, {d: [(1, 1.0), (200, 1.0)] for d in range(1, 8)})
+    grafted_any = False
+    for t in [resolve_tree(n).truncated(3) for n in ("binary_2x2", "chain_3")]:
+        for k in (1, 2, 3):
+            steps = accepted = 0
+            for pid, ids in PROMPTS:
+                cfg = RuleSpec("greedy").decode_config(20, lookup=4, lookup_min_ngram=k)
+                r = eng.run(ids, heads=heads, tree=t, config=cfg)
+                live = [s for s in r.steps if s.time_verify > 0]
+                steps += len(live)
+                accepted += sum(s.accept_length for s in live)
+                grafted_any |= any(s.lookup_nodes for s in live)
+            assert lookup_speedup(stats, t, flat, 4, k) == pytest.approx(1 + accepted / steps, abs=1e-12), (t.name, k)
+        assert lookup_speedup(stats, t, flat, 0, 1) == pytest.approx(stats.predict_tau(t), abs=1e-12)
+    assert grafted_any  # the branch was grafted: not vacuous
+    # where rows are free a branch never loses; where a row beyond the tree's costs many steps, none pays
+    chosen, scores, why = choose_lookup(stats, resolve_tree("chain_3"), flat)
+    assert scores["off"] == min(scores.values()) and (chosen == 0) == (max(scores.values()) == scores["off"])
+    dear = LatencyModel(1.0, {d: [(1, 1.0), (3, 1.0), (4, 50.0), (200, 50.0)] for d in range(1, 8)})
+    chosen, scores, why = choose_lookup(stats, resolve_tree("chain_3"), dear)
+    assert chosen == 0 and "prompt lookup: off" in why and scores["off"] > max(scores[str(n)] for n in (1, 2, 3))
+
+
 @pytest.mark.parametrize("rule", ["greedy", "typical"])
 def test_rollout_prediction_equals_on_policy_tau_for_the_union_itself(rule):
     eng = engine3()
