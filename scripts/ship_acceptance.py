@@ -36,7 +36,7 @@ def main() -> int:
     prompts = load_prompts(source).prompts
     for kind in kinds:
         stats = collect_stats(engine, kind, prompts, max_new_tokens=args.max_new_tokens, max_rank=args.max_rank,
-                              meta={"data": args.data, "command": "python scripts/ship_acceptance.py " + " ".join(sys.argv[1:])})
+                              meta={"data": args.data, "command": " ".join(["python scripts/ship_acceptance.py", *sys.argv[1:]])})
         out = default_heads_path(kind) / ACCEPTANCE_FILE
         with gzip.open(out, "wt", compresslevel=9) as f:
             json.dump(stats.to_json(), f, separators=(",", ":"))
