@@ -139,8 +139,13 @@ def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
     assert prof["probe_s"] < 60
     medusa = prof["heads"]["medusa"]
     assert medusa["nodes"] >= 1 and medusa["predicted_tau"] >= 1.0 and "shipped acceptance records" in medusa["why"]
+    # the prompt-lookup branch is scored here too (the shipped statistics keep their continuations)
+    assert medusa["lookup_min_ngram"] in (0, 1, 2, 3) and set(medusa["lookup_speedups"]) == {"off", "1", "2", "3"}
+    chosen = "off" if not medusa["lookup_min_ngram"] else str(medusa["lookup_min_ngram"])
+    assert medusa["lookup_speedups"][chosen] == max(medusa["lookup_speedups"].values())
     text = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert text.returncode == 0 and "| kernel set |" in text.stdout and "medusa: tree" in text.stdout
+    assert "prompt lookup" in text.stdout
     bad = subprocess.run(cmd[:4] + ["--methods", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "unknown method" in bad.stderr and "nope" in bad.stderr and "Traceback" not in bad.stderr
 
