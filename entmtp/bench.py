@@ -267,7 +267,10 @@ def headline(summary: dict) -> dict:
 def _with_spread(x: float, sp: Optional[dict], fmt: str = ".2f") -> str:
     if sp is None:
         return f"{x:{fmt}}x"
-    return f"{x:{fmt}}x (range {sp['min']:{fmt}}-{sp['max']:{fmt}}x, sd {sp['stdev']:.3f} over {sp['repeats']} repeats)"
+    # the headline is over per-prompt medians, the spread over whole repeats: two aggregates, so the
+    # headline may sit just outside the spread, which is why the spread says what it ranges over
+    return (f"{x:{fmt}}x (each repeat over all prompts: {sp['min']:{fmt}}-{sp['max']:{fmt}}x, sd {sp['stdev']:.3f} "
+            f"over {sp['repeats']} repeats)")
 
 
 def headline_lines(head: dict) -> list[str]:

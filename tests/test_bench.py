@@ -171,7 +171,7 @@ def test_headline_spread_over_repeats():
     assert (sp["min"], sp["max"], sp["repeats"]) == (1.5, 2.0, 3) and abs(sp["stdev"] - spread([1.5, 2.0, 2.0])["stdev"]) < 1e-12
     assert (h["spread"]["entmtp_vs_hf"]["min"], h["spread"]["entmtp_vs_hf"]["max"]) == (3.0, 5.0)
     assert s["methods"]["entmtp"]["speedup_vs_baseline"] == 2.0 and s["methods"]["entmtp"]["tokens_per_s_by_repeat"] == [30.0, 40.0, 50.0]
-    assert "(range 1.50-2.00x, sd 0.289 over 3 repeats)" in headline_lines(h)[0]
+    assert "(each repeat over all prompts: 1.50-2.00x, sd 0.289 over 3 repeats)" in headline_lines(h)[0]
     # two repeats are too few for a spread
     two = summarize(_runs({m: v[:2] for m, v in tps.items()}), list(tps))["headline"]
     assert "spread" not in two and spread([1.0, 2.0]) is None
