@@ -145,7 +145,8 @@ def machine_line(engine, stock_threads: Optional[int] = None, stock_info: Option
     fp = fingerprint(engine.device)
     what = fp.get("gpu") or f"{fp.get('cpu', '?')} ({hardware_class(engine.device)}, {fp.get('cores', '?')} cores)"
     cpu = engine.device.type == "cpu"
-    threads = f", {torch.get_num_threads()} threads" if cpu else ""
+    n = torch.get_num_threads()
+    threads = f", {n} thread{'s' if n != 1 else ''}" if cpu else ""
     where = where_stock_ran(stock_info, stock_threads if cpu else None)
     return (f"{what} · {str(engine.dtype).removeprefix('torch.')} · our loop on {engine.kernels} kernels{threads} · "
             f"generate on transformers' own, {where}")

@@ -6,6 +6,7 @@ button (`ui_race.race`), without a browser. No asserts.
 """
 
 import argparse
+import html
 import re
 
 import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the app does
@@ -30,13 +31,13 @@ def main() -> int:
         pass
     table, _, _, status = last
     if not isinstance(table, list) or not table:
-        print(re.sub(r"<[^>]+>", " ", str(status)).strip())
+        print(html.unescape(re.sub(r"<[^>]+>", " ", str(status))).strip())
         return 1
     print("| " + " | ".join(ui_race.RACE_HEADERS) + " |")
     print("|" + "---|" * len(ui_race.RACE_HEADERS))
     for row in table:
         print("| " + " | ".join(str(c) for c in row) + " |")
-    print(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", str(status))).strip())
+    print(html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", str(status)))).strip())
     return 0
 
 
