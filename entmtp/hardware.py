@@ -6,7 +6,8 @@ machine a measurement belongs to (`fingerprint`).
 
 `ENTMTP_ISA=generic|avx2|avx512|avx512_bf16|amx` makes dispatch behave as on a CPU of that
 class, so every branch runs (and is tested) on any machine: it can take capabilities away, never
-add ones the CPU lacks (asking for more than the CPU has is capped at what it has).
+add ones the CPU lacks (asking for more than the CPU has is capped at what it has). The one branch
+above a machine's own that tests can reach is AMX, emulated (`amx_emulated`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,22 @@ from .threads import default_threads
 ISA_ORDER = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # each implies the ones before it
 
 
-@functools.lru_cache(maxsize=None)
+def amx_emulated() -> bool:
+    """ENTMTP_AMX_EMULATION=1: a test switch. On a CPU with AVX512-BF16 but no AMX, dispatch takes
+    the AMX branch and entmtp's kernel library is built with its tile instructions emulated in
+    scalar code (`csrc/bf16_panels.cpp`), so that branch runs in tests on machines without AMX.
+    Slow; for tests only. Ignored where the CPU has AMX itself or lacks AVX512-BF16."""
+    return os.environ.get("ENTMTP_AMX_EMULATION", "").strip() == "1" and _hardware_isa() == "avx512_bf16"
+
+
 def native_isa() -> str:
     """The CPU's widest instructions torch's kernels use: amx, avx512_bf16, avx512, avx2, or
-    generic (anything else: older x86, ARM, ...)."""
+    generic (anything else: older x86, ARM, ...); "amx" where `amx_emulated`."""
+    return "amx" if amx_emulated() else _hardware_isa()
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware_isa() -> str:
     cpu = getattr(torch, "cpu", None)
     try:
         if cpu._is_amx_tile_supported():
@@ -107,5 +120,5 @@ def fingerprint_id(device) -> str:
     return hashlib.sha256(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:12]
 
 
-__all__ = ["ISA_ORDER", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
+__all__ = ["ISA_ORDER", "amx_emulated", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
            "fingerprint_id", "synchronize"]

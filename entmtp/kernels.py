@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from .attention import fp32_sdpa_attention, use_fp32_attention
-from .hardware import cpu_isa, fast_bf16_matmul, isa_at_least
+from .hardware import amx_emulated, cpu_isa, fast_bf16_matmul, isa_at_least
 from .paths import cache_dir
 
 # kernel sets for the decoding twin: "stock" (transformers' own), "onednn" (linears prepacked for
@@ -147,13 +147,16 @@ def _build_panels() -> Optional[str]:
     # one name per source (its hash), so torch's builder never renames a rebuilt library and a
     # process never loads two libraries registering the same ops
     name = f"entmtp_bf16_panels_{_source_hash()[:10]}"
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    if amx_emulated():  # the test build: AMX tile instructions in scalar code (`hardware.amx_emulated`)
+        name, flags = f"{name}_amxemu", flags + ["-DENTMTP_EMULATE_AMX"]
     build = cache_dir() / "kernels" / f"{name}-torch-{torch.__version__}"
     try:
         build.mkdir(parents=True, exist_ok=True)
         _clear_stale_build_lock(build)
         with _ninja_on_path():
             load(name=name, sources=[str(PANELS_SOURCE)], build_directory=str(build),
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say why, decode on stock
@@ -234,7 +237,7 @@ def _source_hash() -> str:
 def library_id() -> str:
     """Names the version of entmtp's kernel library as dispatched here (its source and panel layout):
     measurements of its speed are only valid for the library they were taken with."""
-    return f"k{_source_hash()[:8]}-{panel_layout()}"
+    return f"k{_source_hash()[:8]}-{panel_layout()}" + ("-emulated" if amx_emulated() else "")
 
 
 def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]:

@@ -29,6 +29,24 @@ def test_isa_switch_caps_at_the_native_isa(want, monkeypatch):
     assert hardware.fingerprint("cpu")["isa"] == got  # a profile measured under the switch is its own
 
 
+def test_amx_emulation_adds_only_amx_and_only_to_an_avx512_bf16_cpu(monkeypatch):
+    """ENTMTP_AMX_EMULATION=1 lifts an AVX512-BF16 CPU (and no other) to the AMX branch, names its
+    own kernel library (its timings are not the real tiles'), and ENTMTP_ISA still lowers it."""
+    hw = hardware._hardware_isa()
+    monkeypatch.delenv("ENTMTP_ISA", raising=False)
+    monkeypatch.setenv("ENTMTP_AMX_EMULATION", "1")
+    assert hardware.amx_emulated() == (hw == "avx512_bf16")
+    assert native_isa() == ("amx" if hw in ("avx512_bf16", "amx") else hw)
+    if hardware.amx_emulated():
+        assert cpu_isa() == "amx" and kernels.panel_layout() == "amx" and kernels.library_id().endswith("-amx-emulated")
+        monkeypatch.setenv("ENTMTP_ISA", "avx512")
+        assert cpu_isa() == "avx512" and kernels.library_id().endswith("-avx512-emulated")  # the build loaded
+        monkeypatch.delenv("ENTMTP_ISA")
+    monkeypatch.setenv("ENTMTP_AMX_EMULATION", "0")
+    assert not hardware.amx_emulated() and native_isa() == hw
+    assert not kernels.library_id().endswith("-emulated")
+
+
 def test_fingerprint_names_machine_threads_and_torch(monkeypatch):
     fp = hardware.fingerprint("cpu")
     assert fp["torch"] == torch.__version__ and fp["cores"] >= 1 and fp["cpu"] and fp["wait_policy"] == "PASSIVE"

@@ -320,7 +320,8 @@ needs_pair_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["p
                                        reason="the k-pair panel kernel needs AVX512-BF16 (and the panel library)")
 needs_amx_panels = pytest.mark.skipif(kernels.kernel_options(torch.bfloat16)["panels"] is not None
                                       or not hardware.isa_at_least("amx"),
-                                      reason="the AMX tile kernel needs a CPU with AMX (and the panel library)")
+                                      reason="the AMX tile kernel needs a CPU with AMX, or ENTMTP_AMX_EMULATION=1 on one "
+                                             "with AVX512-BF16 (and the panel library)")
 
 
 @needs_wide_panels
@@ -554,6 +555,10 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
         panels, stock = Engine(model, None, heads, kernels="panels"), Engine(model, None, heads, kernels="stock")
         assert (panels.kernels, panels.runners["hydra"].kernels) == ("panels", "panels")
         assert "panels" in panels.kernels_reason
+        # every branch of dispatch decodes here: the panel layout is the one this CPU class (or
+        # ENTMTP_ISA, or the emulated AMX of `hardware.amx_emulated`) dispatches to
+        dims = {m.panels.dim() for m in panels.decode_model.modules() if isinstance(m, kernels.PanelLinear)}
+        assert dims == {4 if kernels.panel_layout() == "amx" else 3}, (dims, kernels.panel_layout())
         ids = torch.randint(2, 96, (1, 13))
         with torch.inference_mode():
             a, b = model(ids).logits, panels.decode_model(ids).logits

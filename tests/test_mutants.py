@@ -28,7 +28,8 @@ def test_patch_applies_to_the_current_sources(m):
     text = (ROOT / m.path).read_text()
     out = mutants.patched(m, text)
     assert out != text and m.new in out
-    ast.parse(out)  # still Python: a failing test then means the bug was caught, not a syntax error
+    if m.path.endswith(".py"):
+        ast.parse(out)  # still Python: a failing test then means the bug was caught, not a syntax error
 
 
 @pytest.mark.parametrize("m", mutants.MUTANTS, ids=lambda m: m.name)

@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -291,6 +292,69 @@ bool cpu_has_amx_bf16() {
   return (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
 }
 
+#ifdef ENTMTP_EMULATE_AMX
+// A test build (ENTMTP_AMX_EMULATION=1, `entmtp.kernels`): the tile instructions below run as
+// scalar C++ with the semantics of Intel's pseudo-code (TDPBF16PS: per output element, for each
+// k-pair in order, two fp32 multiply-adds of bf16 values widened exactly; denormals are not
+// flushed here), so the AMX branch -- packing, tile strides, padding, the hi/lo split, row
+// invariance -- runs and is tested on any AVX2 CPU. Slow; never chosen for speed.
+namespace amx_emu {
+struct Tile {
+  int rows = 0, colsb = 0;
+  alignas(64) uint8_t data[16][64];
+};
+thread_local Tile tiles[8];
+
+inline void configure(const uint8_t* rows, const uint16_t* colsb) {
+  for (int t = 0; t < 8; ++t) tiles[t].rows = rows[t], tiles[t].colsb = colsb[t];
+}
+inline void zero(int t) { std::fill(&tiles[t].data[0][0], &tiles[t].data[0][0] + sizeof(tiles[t].data), uint8_t(0)); }
+inline void load(int t, const void* base, int64_t stride) {
+  for (int r = 0; r < tiles[t].rows; ++r)
+    std::copy_n(static_cast<const uint8_t*>(base) + r * stride, tiles[t].colsb, tiles[t].data[r]);
+}
+inline void store(int t, void* base, int64_t stride) {
+  for (int r = 0; r < tiles[t].rows; ++r) std::copy_n(tiles[t].data[r], tiles[t].colsb, static_cast<uint8_t*>(base) + r * stride);
+}
+inline float widen(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// C[m][n] += A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1], k in order (C: fp32 lanes, A and B: bf16 pairs)
+inline void dpbf16ps(int c, int a, int b) {
+  Tile &C = tiles[c], &A = tiles[a], &B = tiles[b];
+  for (int m = 0; m < C.rows; ++m) {
+    float* cr = reinterpret_cast<float*>(C.data[m]);
+    const uint16_t* ar = reinterpret_cast<const uint16_t*>(A.data[m]);
+    for (int k = 0; k < A.colsb / 4; ++k) {
+      const float a0 = widen(ar[2 * k]), a1 = widen(ar[2 * k + 1]);
+      const uint16_t* br = reinterpret_cast<const uint16_t*>(B.data[k]);
+      for (int n = 0; n < C.colsb / 4; ++n) {
+        cr[n] = std::fma(a0, widen(br[2 * n]), cr[n]);
+        cr[n] = std::fma(a1, widen(br[2 * n + 1]), cr[n]);
+      }
+    }
+  }
+}
+}  // namespace amx_emu
+#define AMX_TARGET
+#define TILE_LOADCONFIG(cfg) amx_emu::configure((cfg)->rows, (cfg)->colsb)
+#define TILE_ZERO(t) amx_emu::zero(t)
+#define TILE_LOADD(t, p, s) amx_emu::load(t, p, s)
+#define TILE_STORED(t, p, s) amx_emu::store(t, p, s)
+#define TILE_DPBF16PS(c, a, b) amx_emu::dpbf16ps(c, a, b)
+#define TILE_RELEASE() ((void)0)
+bool amx_permitted() { return true; }
+#else
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOADD(t, p, s) _tile_loadd(t, p, s)
+#define TILE_STORED(t, p, s) _tile_stored(t, p, s)
+#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_RELEASE() _tile_release()
 // Linux hands a process AMX's 8 KB tile state only on request, once per process.
 bool amx_permitted() {
   static const bool ok = [] {
@@ -299,6 +363,7 @@ bool amx_permitted() {
   }();
   return ok;
 }
+#endif
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -310,47 +375,53 @@ struct alignas(64) TileConfig {
 
 // tiles 0, 1: C (16 rows x 16 fp32 columns: a 32-column panel); 2, 3: A (hi, lo); 4, 5: B (the panel's halves)
 // rows: of the A and C tiles (16, or fewer when x has fewer: less to load and multiply)
-__attribute__((target("amx-tile,amx-bf16"))) void tiles_configure(int rows) {
+AMX_TARGET void tiles_configure(int rows) {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) {
     cfg.rows[t] = t < 4 ? rows : kTilePairs;
     cfg.colsb[t] = 64;
   }
   asm volatile("" : : "r"(&cfg) : "memory");  // the builtin does not tell gcc it reads cfg: keep the stores
-  _tile_loadconfig(&cfg);
+  TILE_LOADCONFIG(&cfg);
 }
 
 // y[16 rows, 32 columns] (row stride ldy floats) = x tile rows . one panel, over K2p / 16 k-chunks
-__attribute__((target("amx-tile,amx-bf16"))) inline void tile_panel(const uint32_t* xhi, const uint32_t* xlo,
+AMX_TARGET inline void tile_panel(const uint32_t* xhi, const uint32_t* xlo,
                                                                      int64_t K2p, const uint16_t* panel, float* y,
                                                                      int64_t ldy) {
-  _tile_zero(0);
-  _tile_zero(1);
+  TILE_ZERO(0);
+  TILE_ZERO(1);
   const int64_t xstride = K2p * 4;
   for (int64_t c = 0; c < K2p / kTilePairs; ++c) {
     const uint16_t* b = panel + c * kTilePairs * 2 * kWideCols;
     for (int l = 0; l < 32; ++l)  // the next k-chunk (2 KB, 32 lines): the weights stream from memory
       _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + 64 * l, _MM_HINT_T0);
-    _tile_loadd(4, b, 128);
-    _tile_loadd(5, b + kWideCols, 128);
-    _tile_loadd(2, xhi + c * kTilePairs, xstride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 2, 5);
+    TILE_LOADD(4, b, 128);
+    TILE_LOADD(5, b + kWideCols, 128);
+    TILE_LOADD(2, xhi + c * kTilePairs, xstride);
+    TILE_DPBF16PS(0, 2, 4);
+    TILE_DPBF16PS(1, 2, 5);
     if (xlo != nullptr) {
-      _tile_loadd(3, xlo + c * kTilePairs, xstride);
-      _tile_dpbf16ps(0, 3, 4);
-      _tile_dpbf16ps(1, 3, 5);
+      TILE_LOADD(3, xlo + c * kTilePairs, xstride);
+      TILE_DPBF16PS(0, 3, 4);
+      TILE_DPBF16PS(1, 3, 5);
     }
   }
-  _tile_stored(0, y, ldy * 4);
-  _tile_stored(1, y + 16, ldy * 4);
+  TILE_STORED(0, y, ldy * 4);
+  TILE_STORED(1, y + 16, ldy * 4);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void tiles_release() { _tile_release(); }
+AMX_TARGET void tiles_release() { TILE_RELEASE(); }
 
 // x [n] fp32 -> hi = bf16(x), lo = bf16(x - hi), each rounded to nearest even (as .to(bfloat16))
-__attribute__((target("avx512f,avx512bf16"))) void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+#ifdef ENTMTP_EMULATE_AMX
+#define SPLIT_TARGET  // emulated tiles run on AVX2 CPUs: no AVX-512 here (the scalar loop rounds alike)
+#else
+#define SPLIT_TARGET __attribute__((target("avx512f,avx512bf16")))
+#endif
+SPLIT_TARGET void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
   int64_t k = 0;
+#ifndef ENTMTP_EMULATE_AMX
   for (; k + 16 <= n; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
     const __m256bh h = _mm512_cvtneps_pbh(v);
@@ -358,6 +429,7 @@ __attribute__((target("avx512f,avx512bf16"))) void split_bf16(const float* x, in
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k), (__m256i)h);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
   }
+#endif
   for (; k < n; ++k) {
     const at::BFloat16 h(x[k]);
     hi[k] = h.x;
