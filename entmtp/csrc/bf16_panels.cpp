@@ -297,7 +297,7 @@ bool cpu_has_amx_bf16() {
 // scalar C++ with the semantics of Intel's pseudo-code (TDPBF16PS: per output element, for each
 // k-pair in order, two fp32 multiply-adds of bf16 values widened exactly; denormals are not
 // flushed here), so the AMX branch -- packing, tile strides, padding, the hi/lo split, row
-// invariance -- runs and is tested on any AVX2 CPU. Slow; never chosen for speed.
+// invariance -- runs and is tested on a CPU with AVX512-BF16 but no AMX. Slow; for tests only.
 namespace amx_emu {
 struct Tile {
   int rows = 0, colsb = 0;
@@ -414,14 +414,9 @@ AMX_TARGET inline void tile_panel(const uint32_t* xhi, const uint32_t* xlo,
 AMX_TARGET void tiles_release() { TILE_RELEASE(); }
 
 // x [n] fp32 -> hi = bf16(x), lo = bf16(x - hi), each rounded to nearest even (as .to(bfloat16))
-#ifdef ENTMTP_EMULATE_AMX
-#define SPLIT_TARGET  // emulated tiles run on AVX2 CPUs: no AVX-512 here (the scalar loop rounds alike)
-#else
-#define SPLIT_TARGET __attribute__((target("avx512f,avx512bf16")))
-#endif
-SPLIT_TARGET void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+// (every AMX CPU has AVX512-BF16, and so has every CPU the tiles are emulated on)
+__attribute__((target("avx512f,avx512bf16"))) void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
   int64_t k = 0;
-#ifndef ENTMTP_EMULATE_AMX
   for (; k + 16 <= n; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
     const __m256bh h = _mm512_cvtneps_pbh(v);
@@ -429,7 +424,6 @@ SPLIT_TARGET void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k), (__m256i)h);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
   }
-#endif
   for (; k < n; ++k) {
     const at::BFloat16 h(x[k]);
     hi[k] = h.x;
