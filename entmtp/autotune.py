@@ -105,11 +105,16 @@ def _heads_id(runner) -> str:
 
 
 def trees_path(engine, heads: str) -> Path:
-    """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>.json`."""
+    """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>[-t<threads>].json`.
+
+    On a CPU the step latencies the trees are chosen by depend on the torch threads decoding runs
+    with (a tree's extra rows are arithmetic, which a second thread halves; a one-row step is
+    memory-bound), so trees timed with one count are not reused with another."""
     key = model_key(engine.model)
     label = heads.replace("+", "p")
+    threads = f"-t{torch.get_num_threads()}" if engine.device.type == "cpu" else ""
     name = (f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-"
-            f"{_heads_id(engine.runners[heads])}-p{LATENCY_PROTOCOL}.json")  # remeasured when the timing protocol changes
+            f"{_heads_id(engine.runners[heads])}{threads}-p{LATENCY_PROTOCOL}.json")  # remeasured when the timing protocol changes
     return machine_dir(engine.device) / name
 
 

@@ -125,6 +125,21 @@ def test_trees_are_chosen_from_statistics_and_measured_latency(tuning_on):
     assert autotune.tuned_trees(eng, "hydra") is None
 
 
+def test_tuned_trees_are_kept_per_cpu_thread_count(tuning_on):
+    """Trees timed with one torch thread count are not reused by decoding with another (a second
+    thread makes a tree's extra rows cheaper than a one-row step; trees chosen at 2 threads
+    decoded at 1 are too big)."""
+    from entmtp.threads import torch_threads
+
+    model = tiny_model("llama", vocab=96, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    with torch_threads(1):
+        one = autotune.trees_path(eng, "hydra")
+    with torch_threads(2):
+        two = autotune.trees_path(eng, "hydra")
+    assert one != two and one.parent == two.parent and "-t1-" in one.name and "-t2-" in two.name
+
+
 @pytest.mark.model
 def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
     """`entmtp tune` on the embedded model: every kernel set's latency by rows and invariance,
