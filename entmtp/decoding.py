@@ -24,6 +24,7 @@ from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .hardware import synchronize
 from .heads import DraftHeads, HeadRunner
 from .kernels import decode_model
+from .threads import ThreadGovernor, adaptive_threads_possible
 from .tuning import apply_threads, kernel_profile
 from .kvcache import decoding_cache
 from .lookup import NgramIndex, graft_chain
@@ -88,8 +89,12 @@ class Engine:
         check_tree_support(model)
         self.model = model.eval()
         self.kernel_profile = kernel_profile(model) if kernels == "auto" else None
+        # decoding with more than one CPU thread follows the load of the cores (`threads.ThreadGovernor`)
+        self.governor: Optional[ThreadGovernor] = None
         if self.kernel_profile is not None and self.device_type(model) == "cpu":
-            apply_threads(self.kernel_profile)  # process-wide: the measured count (ENTMTP_THREADS overrides)
+            n = apply_threads(self.kernel_profile)  # process-wide: the measured count (ENTMTP_THREADS overrides)
+            if n and n > 1 and adaptive_threads_possible():
+                self.governor = ThreadGovernor(n)
         chosen = self.kernel_profile.choice if self.kernel_profile is not None else kernels
         self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, chosen)
         if self.kernel_profile is not None:
@@ -234,6 +239,8 @@ class Generation:
     def __next__(self) -> Step:
         if self.done:
             raise StopIteration
+        if self.engine.governor is not None:
+            self.engine.governor.apply()
         if not self._started:
             self._prefill()
         with torch.inference_mode():

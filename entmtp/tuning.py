@@ -39,12 +39,13 @@ from .hardware import fingerprint, fingerprint_id, synchronize
 from .kernels import KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id, preferred_kernels
 from .kvcache import decoding_cache
 from .paths import cache_dir
-from .threads import default_threads, threads_override
+from .threads import adaptive_threads_possible, default_threads, threads_override
 from .verify import forward, tree_mask
 
 PROFILE_FORMAT = "entmtp-kernel-profile/1"
 NOT_SLOWER = 1.05  # a set's one-row step may cost this much of stock's and still count as "not slower" (timing noise)
 THREADS_GAIN = 1.5  # all threads must decode this much faster than one to be chosen (see measure_threads)
+ADAPTIVE_GAIN = 1.1  # ... where a governor gives them up while other processes use the cores
 CPU_ROWS = (1, 2, 4, 8, 16, 32)
 CUDA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -282,7 +283,8 @@ def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int
     `trial` measured it) against one thread. Small models decode in thousands of short parallel
     regions a second; their synchronisation can cost more than a second core gives, and a thread
     that waits on a core another process holds stalls every region: all threads are chosen only
-    when they are THREADS_GAIN times as fast as one."""
+    when they are THREADS_GAIN times as fast as one, or ADAPTIVE_GAIN times where the engine's
+    `threads.ThreadGovernor` drops to one thread while other processes use the cores."""
     n = torch.get_num_threads()
     out = {n: trial.tree_ms()}
     torch.set_num_threads(1)
@@ -290,15 +292,16 @@ def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int
         out[1] = measure_set(model, name, rows=(1, 8), check_rows=()).tree_ms()
     finally:
         torch.set_num_threads(n)
-    return choose_threads(out), out
+    return choose_threads(out, ADAPTIVE_GAIN if adaptive_threads_possible() else THREADS_GAIN), out
 
 
-def choose_threads(ms_by_threads: dict[int, float]) -> int:
-    """{threads: ms} -> the count to decode with: the most threads only where they are THREADS_GAIN
-    times as fast as one (with another busy process on a 2-core machine two threads decoded at
-    ~0.55x their idle speed, one thread at ~1.0x: `python scripts/busy_neighbour.py`), else one."""
+def choose_threads(ms_by_threads: dict[int, float], gain: float = THREADS_GAIN) -> int:
+    """{threads: ms} -> the count to decode with: the most threads only where they are `gain`
+    times as fast as one (with another busy process on a 2-core machine two spinning threads
+    decoded at ~0.3x their idle speed, one thread at ~1.0x: `python scripts/busy_neighbour.py`),
+    else one."""
     n = max(ms_by_threads)
-    return n if 1 in ms_by_threads and ms_by_threads[1] >= ms_by_threads[n] * THREADS_GAIN else 1
+    return n if 1 in ms_by_threads and ms_by_threads[1] >= ms_by_threads[n] * gain else 1
 
 
 def apply_threads(profile: KernelProfile) -> Optional[int]:

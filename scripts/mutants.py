@@ -96,6 +96,9 @@ MUTANTS = (
     Mutant("lookup_tuning_unused", "entmtp decodes with the registry's prompt-lookup branch whatever was tuned here",
            "entmtp/methods.py", "    if tuned is not None and tuned.lookup_min_ngram is not None:",
            "    if False:", ("tests/test_methods.py::test_entmtp_lookup_branch_is_the_one_tuned_here",)),
+    Mutant("governor_unused", "decoding keeps all threads while another process holds a core (every parallel "
+           "region then waits on it)", "entmtp/decoding.py", "            self.engine.governor.apply()\n",
+           "            pass\n", ("tests/test_threads.py::test_engine_decodes_under_the_governor",)),
     Mutant("amx_tile_half", "the AMX kernel multiplies columns 16-31 of a panel by the weights of columns 0-15",
            "entmtp/csrc/bf16_panels.cpp", "    TILE_LOADD(5, b + kWideCols, 128);\n", "    TILE_LOADD(5, b, 128);\n",
            ("tests/test_kernels.py::test_amx_tiles_are_row_invariant_and_exact_up_to_fp32_sums",

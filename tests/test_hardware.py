@@ -49,7 +49,8 @@ def test_amx_emulation_adds_only_amx_and_only_to_an_avx512_bf16_cpu(monkeypatch)
 
 def test_fingerprint_names_machine_threads_and_torch(monkeypatch):
     fp = hardware.fingerprint("cpu")
-    assert fp["torch"] == torch.__version__ and fp["cores"] >= 1 and fp["cpu"] and fp["wait_policy"] == "PASSIVE"
+    assert fp["torch"] == torch.__version__ and fp["cores"] >= 1 and fp["cpu"]
+    assert fp["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "")  # a profile per policy
     a = hardware.fingerprint_id("cpu")
     monkeypatch.setenv("OMP_NUM_THREADS", "1" if fp["threads"] != 1 else "2")
     assert hardware.fingerprint_id("cpu") != a

@@ -180,11 +180,14 @@ def test_gpu_check_script_runs_here_on_the_cpu(tmp_path):
 def test_threads_are_added_only_where_they_pay_for_a_busy_neighbour():
     """One thread unless all of them are at least THREADS_GAIN times as fast (a second thread
     waiting on a core another process holds stalls every parallel region)."""
-    from entmtp.tuning import THREADS_GAIN, choose_threads
+    from entmtp.tuning import ADAPTIVE_GAIN, THREADS_GAIN, choose_threads
 
     assert choose_threads({2: 21.3, 1: 27.1}) == 1  # 1.27x faster: not worth the risk
     assert choose_threads({16: 10.0, 1: 10.0 * THREADS_GAIN}) == 16
     assert choose_threads({1: 20.0}) == 1 and choose_threads({4: 30.0, 1: 20.0}) == 1
+    # where a governor drops to one thread while other processes use the cores, a smaller gain pays
+    assert choose_threads({2: 21.3, 1: 27.1}, ADAPTIVE_GAIN) == 2
+    assert choose_threads({2: 21.3, 1: 21.3 * ADAPTIVE_GAIN * 0.99}, ADAPTIVE_GAIN) == 1
 
 
 def test_a_cached_profile_missing_a_set_that_runs_here_is_measured_again(tuning_on):
