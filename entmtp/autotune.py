@@ -272,6 +272,7 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
     out = {"fingerprint": prof.fingerprint if prof else None, "dtype": str(engine.dtype).removeprefix("torch."),
            "device": str(engine.device), "kernels": engine.kernels, "kernels_why": engine.kernels_reason,
            "row_invariant": engine.row_invariant, "threads": torch.get_num_threads() if engine.device.type == "cpu" else None,
+           "threads_governed": getattr(engine, "governor", None) is not None,
            "kernel_trials": [t.to_json() for t in prof.trials] if prof else [], "probe_s": prof.probe_s if prof else 0.0,
            "cache_file": prof.cache_file if prof else None, "heads": {}}
     for name in engine.runners:
@@ -298,7 +299,8 @@ def format_profile(p: dict) -> str:
              "lossless: " + ("tree rows are bitwise one-row steps: speculation emits exactly the plain loop's tokens"
                              if p["row_invariant"] else "not row-invariant here: speculation matches plain decoding up "
                              "to rounding (identity is measured by `entmtp bench`)"),
-             f"threads: {p['threads']}" if p.get("threads") else "", "",
+             (f"threads: {p['threads']}" + (" while the cores are free, one while other processes use them (governor)"
+                                            if p.get("threads_governed") else "")) if p.get("threads") else "", "",
              "| kernel set | runs here | 1 row | 2 | 4 | 8 | 16 | 32 | row-invariant |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for t in p["kernel_trials"]:
         ms = t.get("ms_by_rows", {})
