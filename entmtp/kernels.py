@@ -126,14 +126,14 @@ def _clear_stale_build_lock(build: Path, max_age_s: float = STALE_BUILD_LOCK_S) 
 
 
 def _panels_unavailable() -> Optional[str]:
-    """None when entmtp's AVX2 bf16 panel kernels (csrc/bf16_panels.cpp) are loaded, else why not.
+    """None when entmtp's panel kernels (csrc/bf16_panels.cpp) are loaded, else why not.
 
     Built on first use (a C++ compiler and ninja; about 20 s) into `cache_dir()/kernels`, once per
     torch version and source; later processes load the built library. ENTMTP_PANELS=0 disables them."""
     if os.environ.get("ENTMTP_PANELS", "1") == "0":
-        return "entmtp's bf16 panel kernels are disabled (ENTMTP_PANELS=0)"
+        return "entmtp's panel kernels are disabled (ENTMTP_PANELS=0)"
     if not isa_at_least("avx2"):
-        return f"entmtp's bf16 panel kernels need AVX2 and FMA (this CPU class: {cpu_isa()})"
+        return f"entmtp's panel kernels need AVX2 and FMA (this CPU class: {cpu_isa()})"
     return _build_panels()
 
 
@@ -161,7 +161,7 @@ def _build_panels() -> Optional[str]:
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say why, decode on stock
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        return f"entmtp's bf16 panel kernels could not be built here ({first})"
+        return f"entmtp's panel kernels could not be built here ({first})"
     return None
 
 
@@ -220,12 +220,28 @@ def pack_panels(weight: torch.Tensor, layout: Optional[str] = None, fp32_input: 
     """weight [N, K] bf16 -> its panels for `bf16_panels_linear` in `layout` (default `panel_layout()`).
     fp32_input: the layer is fed float32 values (an attention output, a fused MLP's middle) whose
     products must stay exact to bf16's precision, so the vdpbf16ps k-pair layout (bf16 inputs)
-    gives way to the FMA one; AMX tiles take such inputs as two bf16 terms."""
+    gives way to the FMA one; AMX tiles take such inputs as two bf16 terms.
+    A float32 weight -> float32 panels for `f32_panels_linear` (16 or 32 columns by the layout's
+    width; the same fp32 FMA chain per column either way)."""
     layout = layout or panel_layout()
     cols, pairs, tiles = PANEL_LAYOUTS[layout]
+    if weight.dtype == torch.float32:
+        return torch.ops.entmtp_cpu.f32_pack_panels(weight.detach(), cols)
     if fp32_input and pairs and not tiles:
         cols, pairs, tiles = PANEL_LAYOUTS["avx512"]
     return torch.ops.entmtp_cpu.bf16_pack_panels(weight.detach(), cols, pairs, tiles)
+
+
+def panels_product(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+                   out_float: bool = False) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., n] with W in `pack_panels` panels: float32 panels take and
+    give float32; bf16 ones give bf16, or the float32 sums when out_float."""
+    if panels.dtype == torch.float32:
+        return torch.ops.entmtp_cpu.f32_panels_linear(x, panels, n, bias)
+    return torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, n, bias, out_float)
+
+
+FUSED_FP32_RTOL = 1e-4  # a fused float32 module (another summation order, exp) against the module it replaces
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,7 +270,7 @@ def kernel_options(dtype: torch.dtype, device="cpu") -> dict[str, Optional[str]]
     out["onednn-trees"] = out["onednn"] or (None if dtype == torch.float32 else
                                             "one-row steps on stock kernels is a float32 set (in bf16 oneDNN's packed "
                                             "kernel is the stock one without its per-call relayout)")
-    out["panels"] = _panels_unavailable() if dtype == torch.bfloat16 else "entmtp's panel kernels are for bfloat16"
+    out["panels"] = _panels_unavailable()
     return out
 
 
@@ -381,11 +397,14 @@ class PackedLinear(_PackedBase):
 
 
 class PanelLinear(_PackedBase):
-    """bf16 weight also kept in panels for entmtp's kernel (`csrc/bf16_panels.cpp`, layout `panel_layout()`).
+    """bf16 or float32 weight also kept in panels for entmtp's kernel (`csrc/bf16_panels.cpp`, layout
+    `panel_layout()`).
 
-    Every row count runs the panel kernel, within bf16 rounding of torch's (a one-row step too:
-    faster than torch's bf16 kernel here, and identity with `generate` is lost anyway once the
-    prompt, attention and norms run on other kernels)."""
+    Every row count runs the panel kernel, each row alone in a fixed order: bf16 within bf16
+    rounding of torch's (a one-row step too: faster than torch's bf16 kernel here, and identity
+    with `generate` is lost anyway once the prompt, attention and norms run on other kernels);
+    float32 within FP32_PROBE_RTOL of `F.linear` (MKL sums in another order; greedy identity with
+    `generate` is measured by every bench)."""
 
     layout = "panels"
 
@@ -394,13 +413,18 @@ class PanelLinear(_PackedBase):
         self.panels = pack_panels(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.entmtp_cpu.bf16_panels_linear(x, self.panels, self.out_features, self.bias, False)
+        return panels_product(x, self.panels, self.out_features, self.bias)
 
     @property
     def claim(self) -> str:
+        if self.panels.dtype == torch.float32:
+            return f"within {FP32_PROBE_RTOL:g} of F.linear"
         return f"within {BF16_PANEL_PROBE_RTOL:g} of the exact product"
 
     def matches(self, x: torch.Tensor) -> bool:
+        if self.panels.dtype == torch.float32:
+            ref = nn.functional.linear(x, self.weight, self.bias)
+            return bool((self(x) - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
         exact = nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return bool((self(x).float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30))
 
@@ -444,9 +468,8 @@ class FusedMLP(nn.Module):
     """A gated MLP down(silu(gate(x)) * up(x)) on the panels in three op calls: gate and up as one
     panel product (fp32 sums), silu(gate) * up fused in fp32, fp32 into down_proj, rounded to bf16
     once at the end. x [..., h] bf16 -> [..., h] bf16, within bf16 rounding of the exact product
-    (torch's rounds three times on the way, and takes five module calls and five ops)."""
-
-    claim = "within bf16 rounding of the exact gated MLP"
+    (torch's rounds three times on the way, and takes five module calls and five ops). A float32
+    MLP the same way without the rounding, within FUSED_FP32_RTOL of the module."""
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -457,21 +480,31 @@ class FusedMLP(nn.Module):
         self.down = pack_panels(d.weight, fp32_input=True)
         self.__dict__["_reference"] = mlp.forward
 
+    @property
+    def claim(self) -> str:
+        if self.gate_up.dtype == torch.float32:
+            return f"within {FUSED_FP32_RTOL:g} of the gated MLP"
+        return "within bf16 rounding of the exact gated MLP"
+
     @staticmethod
     def fits(mod: nn.Module) -> bool:
-        """Whether `mod` looks like a bias-free bf16 SiLU gated MLP (the probe then checks it is one)."""
+        """Whether `mod` looks like a bias-free bf16 or float32 SiLU gated MLP (the probe then checks it is one)."""
         lins = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         act = getattr(mod, "act_fn", None)
-        return (all(type(x) is nn.Linear and x.bias is None and x.weight.dtype == torch.bfloat16 for x in lins)
+        return (all(type(x) is nn.Linear and x.bias is None for x in lins)
+                and len({x.weight.dtype for x in lins}) == 1 and lins[0].weight.dtype in (torch.bfloat16, torch.float32)
                 and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
                 and set(mod._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.entmtp_cpu
-        gu = ops.bf16_panels_linear(x, self.gate_up, 2 * self.inter, None, True)
-        return ops.bf16_panels_linear(ops.silu_mul(gu), self.down, self.out_features, None, False)
+        gu = panels_product(x, self.gate_up, 2 * self.inter, None, True)
+        return panels_product(ops.silu_mul(gu), self.down, self.out_features)
 
     def matches(self, x: torch.Tensor) -> bool:
+        if x.dtype == torch.float32:
+            ref = self._reference(x)
+            return bool((self(x) - ref).abs().max() <= FUSED_FP32_RTOL * ref.abs().max().clamp_min(1e-30))
         f = lambda w: w.float()  # noqa: E731
         xf = x.float()
         exact = nn.functional.linear(nn.functional.silu(xf @ f(self.gate_weight).T) * (xf @ f(self.up_weight).T), f(self.down_weight))
@@ -494,9 +527,8 @@ class FusedAttention(nn.Module):
     The attention op (`attend`) computes every row from its query and the keys it sees alone, so
     a tree's rows get exactly the numbers one-token steps would: with the panels (the same
     summation order for any row count) and row-wise fused ops, greedy speculation on this twin
-    emits exactly the tokens of plain decoding on it, in bf16 too."""
-
-    claim = "within bf16 rounding of the exact attention"
+    emits exactly the tokens of plain decoding on it, in bf16 too. A float32 attention the same
+    way on float32 panels, within FUSED_FP32_RTOL of the module."""
 
     def __init__(self, attn: nn.Module):
         super().__init__()
@@ -512,13 +544,20 @@ class FusedAttention(nn.Module):
         self.o_bias = o.bias
         self.__dict__["_reference"] = attn  # the replaced module, for `matches` (not a submodule)
 
+    @property
+    def claim(self) -> str:
+        if self.qkv.dtype == torch.float32:
+            return f"within {FUSED_FP32_RTOL:g} of the attention"
+        return "within bf16 rounding of the exact attention"
+
     @staticmethod
     def fits(mod: nn.Module) -> bool:
-        """Whether `mod` looks like a full (not sliding-window) Llama-style bf16 attention: exactly
-        q/k/v/o `nn.Linear` projections, biases on all of q/k/v or none, none on o (the probe then
-        checks the formula: rotary convention, scaling, grouping)."""
+        """Whether `mod` looks like a full (not sliding-window) Llama-style bf16 or float32 attention:
+        exactly q/k/v/o `nn.Linear` projections, biases on all of q/k/v or none, none on o (the probe
+        then checks the formula: rotary convention, scaling, grouping)."""
         lins = [getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not all(type(x) is nn.Linear and x.weight.dtype == torch.bfloat16 for x in lins):
+        if not (all(type(x) is nn.Linear for x in lins) and len({x.weight.dtype for x in lins}) == 1
+                and lins[0].weight.dtype in (torch.bfloat16, torch.float32)):
             return False
         head_dim, cfg = getattr(mod, "head_dim", None), getattr(mod, "config", None)
         if not isinstance(head_dim, int) or head_dim % 8:  # the attention op works in 8-lane blocks
@@ -539,7 +578,7 @@ class FusedAttention(nn.Module):
         ops = torch.ops.entmtp_cpu
         b, q_len = hidden_states.shape[:2]
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        qkv = ops.bf16_panels_linear(hidden_states, self.qkv, width, self.qkv_bias, True)
+        qkv = panels_product(hidden_states, self.qkv, width, self.qkv_bias, True)
         cos, sin = position_embeddings
         query, key, value = ops.rope_split(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         if cache is not None:
@@ -551,7 +590,7 @@ class FusedAttention(nn.Module):
         else:
             kwargs.pop("dropout", None)
             out, _ = fp32_sdpa_attention(self, query, key, value, m, scaling=self.scaling, **kwargs)
-        return ops.bf16_panels_linear(out.reshape(b, q_len, -1), self.o, self.out_features, self.o_bias, False), None
+        return panels_product(out.reshape(b, q_len, -1), self.o, self.out_features, self.o_bias), None
 
     def matches(self, x: torch.Tensor) -> bool:
         """x [r, h]: r rows as one sequence (all but the last 3 as a causal prompt into a fresh
@@ -586,6 +625,8 @@ class FusedAttention(nn.Module):
                 parts.append(out.float())
             outs.append(torch.cat(parts, 1))
         ours, module, exact = outs
+        if x.dtype == torch.float32:
+            return bool((ours - module).abs().max() <= FUSED_FP32_RTOL * module.abs().max().clamp_min(1e-30))
         tol = BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30)
         # the module rounds to bf16 some ten times on the way (up to ~9 tol seen on SmolLM2-135M); another
         # formula (rotary convention, scaling) would miss by a sizeable fraction of the output scale
@@ -707,6 +748,9 @@ KERNEL_WHY = {
                     f"{FP32_PROBE_RTOL:g}, probed)",
     "panels": "entmtp's kernel library: bf16 linears in panels with fp32 sums, each row alone in a fixed order (the "
               "same bits for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
+    "panels-fp32": "entmtp's kernel library: float32 linears in panels, each row alone in a fixed order (the same bits "
+                   f"for any row count; within {FP32_PROBE_RTOL:g} of F.linear), gated MLPs and Llama attentions fused "
+                   "(probed)",
 }
 
 
@@ -745,14 +789,15 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     if why:
         raise ValueError(f"cannot use the {kernels} kernels: {why}")
     sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    fp32_attention = kernels == "panels" and sdpa
+    fp32_attention = kernels == "panels" and sdpa  # a float32 model attends in float32 already; fused too
     try:
         twin = packed_twin(model, method=kernels, fused_attention=fp32_attention)
     except ValueError as e:
         raise ValueError(f"cannot use the {kernels} kernels: {e}") from None
-    if fp32_attention:
+    if fp32_attention and p.dtype == torch.bfloat16:
         use_fp32_attention(twin, model.config)
-    why = KERNEL_WHY[kernels] + (f"; {panel_layout()} panel layout" if kernels == "panels" else "")
+    why = (KERNEL_WHY["panels-fp32"] if kernels == "panels" and p.dtype == torch.float32 else KERNEL_WHY[kernels]) + \
+        (f"; {panel_layout()} panel layout" if kernels == "panels" else "")
     return twin, kernels, why
 
 

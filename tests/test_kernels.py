@@ -25,12 +25,16 @@ needs_pack32 = pytest.mark.skipif(kernels.can_pack(fp32_model) is not None,
                                   reason=f"no packed float32 kernels here: {kernels.can_pack(fp32_model)}")
 
 
-@needs_pack32
+needs_onednn32 = pytest.mark.skipif(kernels.kernel_options(torch.float32)["onednn"] is not None,
+                                    reason=f"no oneDNN float32 packing here: {kernels.kernel_options(torch.float32)['onednn']}")
+
+
+@needs_onednn32
 def test_float32_twin_is_within_rounding_and_decodes_like_generate():
     """fp32 packs with another summation order: outputs within rounding of the stock model, and
     greedy decoding (plain and with a tree) gives generate's tokens."""
     model = tiny_model("llama", vocab=96, seed=5)
-    m, name, why = kernels.decode_model(model, "auto")
+    m, name, why = kernels.decode_model(model, "onednn")
     assert name == "onednn" and m is not model and "fp32" in why
     assert {p.data_ptr() for p in m.parameters()} == {p.data_ptr() for p in model.parameters()}
     ids = torch.randint(2, 96, (1, 13))
@@ -49,7 +53,7 @@ def test_float32_twin_is_within_rounding_and_decodes_like_generate():
         assert eng.run(prompt, heads="hydra", tree=tree, config=cfg).tokens == want
 
 
-@needs_pack32
+@needs_onednn32
 def test_onednn_for_tree_rows_keeps_the_stock_one_row_product_and_decodes_like_generate():
     """"onednn-trees": a one-row input takes F.linear itself (bitwise), more rows the prepacked
     kernel (within its probe); greedy decoding, plain and with a tree, gives generate's tokens."""
@@ -597,7 +601,7 @@ def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
     kernels._build_panels.cache_clear()
     try:
         why = kernels._panels_unavailable()
-        assert why.startswith("entmtp's bf16 panel kernels could not be built here (") and "\n" not in why
+        assert why.startswith("entmtp's panel kernels could not be built here (") and "\n" not in why
     finally:
         kernels._build_panels.cache_clear()
         monkeypatch.undo()
@@ -717,7 +721,10 @@ def test_fused_attention_fits_and_probe_refuse_other_attentions(panels_only):
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     qwen3 = transformers.Qwen3ForCausalLM(qcfg).to(torch.bfloat16)
     assert not kernels.FusedAttention.fits(qwen3.model.layers[0].self_attn)  # q/k norms
-    assert not kernels.FusedAttention.fits(model.float().model.layers[1].self_attn)  # float32
+    assert not kernels.FusedAttention.fits(model.half().model.layers[1].self_attn)  # float16
+    mixed = copy.deepcopy(model.model.layers[1].self_attn)
+    mixed.o_proj.float()
+    assert not kernels.FusedAttention.fits(mixed)  # projections of two dtypes
 
 
 @needs_panels
@@ -804,3 +811,87 @@ def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, mon
         assert not kernels.probe_ok(bad, rows=(2, 7))
     # oneDNN's set (or stock) keeps the layer's own bf16 path
     assert not isinstance(HeadRunner(heads, model, kernels="onednn").compute.prefix, FusedPrefixLayer)
+
+
+needs_panels32 = pytest.mark.skipif(kernels.kernel_options(torch.float32)["panels"] is not None,
+                                    reason=f"no float32 panel kernels here: {kernels.kernel_options(torch.float32)['panels']}")
+
+
+@needs_panels32
+@pytest.mark.parametrize("n,k,bias", [(49, 37, False), (100, 64, True), (16, 8, False), (33, 129, True)])
+def test_float32_panels_are_row_invariant_and_within_rounding_of_f_linear(n, k, bias):
+    """Every row of a 1-40 row float32 panel product is bitwise its one-row product, in the 16- and
+    (where the CPU has AVX-512) 32-column layout alike, and within FP32_PROBE_RTOL of F.linear."""
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(40, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    layouts = ["avx2"] + (["avx512"] if hardware.isa_at_least("avx512") else [])
+    results = []
+    for layout in layouts:
+        panels = kernels.pack_panels(w, layout)
+        assert panels.dtype == torch.float32 and panels.shape[2] == kernels.PANEL_LAYOUTS[layout][0]
+        y = kernels.panels_product(x, panels, n, b)
+        ref = nn.functional.linear(x, w, b)
+        assert y.dtype == torch.float32 and y.shape == (40, n)
+        assert (y - ref).abs().max() <= kernels.FP32_PROBE_RTOL * ref.abs().max()
+        for rows in (1, 2, 5, 12, 13, 40):
+            assert torch.equal(kernels.panels_product(x[:rows], panels, n, b), y[:rows])
+        assert torch.equal(torch.cat([kernels.panels_product(x[i:i + 1], panels, n, b) for i in range(40)]), y)
+        results.append(y)
+    assert all(torch.equal(r, results[0]) for r in results)  # one FMA chain per column, any width
+    with pytest.raises(RuntimeError, match="f32_panels_linear: x must be a float32"):
+        kernels.panels_product(x.bfloat16(), kernels.pack_panels(w, "avx2"), n)
+
+
+@needs_panels32
+def test_float32_panels_twin_is_row_invariant_and_decodes_like_generate():
+    """A float32 model on the panels: every linear a panel product, gated MLPs and attentions fused,
+    logits within rounding of the stock model; the twin's forward is row-invariant, so greedy
+    speculation emits exactly its plain loop's tokens, and those are generate's."""
+    model = tiny_model("llama", vocab=96, seed=5)  # no prompt below greedily emits its EOS (generate's min_new_tokens would differ)
+    m, name, why = kernels.decode_model(model, "panels")
+    assert name == "panels" and "float32 linears in panels" in why and m is not model
+    assert type(model.model.layers[0].self_attn).__name__ == "LlamaAttention"  # the model itself untouched
+    assert any(isinstance(x, kernels.FusedAttention) for x in m.modules())
+    assert any(isinstance(x, kernels.FusedMLP) for x in m.modules())
+    assert isinstance(m.lm_head, kernels.PanelLinear) and m.lm_head.panels.dtype == torch.float32
+    ids = torch.randint(2, 96, (1, 13))
+    with torch.inference_mode():
+        a, b = model(ids).logits, m(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+    heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
+    eng = Engine(model, None, heads, kernels="panels")
+    assert eng.kernels == "panels"
+    tree = resolve_tree("mc_sim_7b_63").truncated(8)
+    cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
+    for prompt in ([5, 9, 11, 5, 9], [7] * 3 + list(range(20, 40))):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        plain = eng.run(prompt, config=cfg)
+        spec = eng.run(prompt, heads="hydra", tree=tree, config=cfg)
+        assert plain.tokens == want[0, len(prompt):].tolist()
+        assert spec.tokens == plain.tokens  # bitwise the plain loop's rows: identical, not merely close
+    # row invariance itself: 6 tokens after a prompt in one forward give bitwise the logits of 6 one-token steps
+    from transformers import DynamicCache
+
+    prompt, more = torch.tensor([[7, 7, 7] + list(range(20, 40))]), torch.tensor([[41, 5, 9, 63, 2, 17]])
+    with torch.inference_mode():
+        cache = DynamicCache()
+        m(prompt, cache=cache)
+        chain = m(more, cache=cache).logits[0]
+        cache = DynamicCache()
+        m(prompt, cache=cache)
+        steps = torch.cat([m(more[:, i:i + 1], cache=cache).logits[0] for i in range(6)])
+    assert torch.equal(chain, steps)
+
+
+@needs_panels32
+def test_float32_fused_modules_probe_against_the_module_they_replace():
+    """The fused float32 MLP and attention keep their claim on the real formula and refuse a module
+    that computes something else (a doubled attention)."""
+    model = tiny_model("llama", vocab=96, seed=8)
+    layer = model.model.layers[0]
+    mlp, attn = kernels.FusedMLP(layer.mlp), kernels.FusedAttention(layer.self_attn)
+    assert mlp.gate_up.dtype == attn.qkv.dtype == torch.float32
+    assert kernels.probe_ok(mlp) and kernels.probe_ok(attn, getattr(attn, "probe_rows", (1, 7)))
+    assert "of the gated MLP" in mlp.claim and "of the attention" in attn.claim
+    assert not kernels.probe_ok(kernels.FusedAttention(DoubledAttention(layer.self_attn)))

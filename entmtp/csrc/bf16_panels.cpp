@@ -20,6 +20,11 @@
 //       k-pair panels as AMX tiles [P, K2p/16, 16, 64]
 //   bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor
 //       x [..., K] bf16 or fp32 -> [..., n] (bf16, or fp32 when out_float: the sums before rounding)
+//   f32_pack_panels(Tensor w, int cols=16) -> Tensor  w [N, K] fp32 -> panels [ceil(N/cols), K, cols]
+//       (natural column order; cols 16 for AVX2, 32 for AVX-512)
+//   f32_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor
+//       x [..., K] fp32 -> [..., n] fp32: a float32 model's linears, each output column one chain
+//       of fp32 FMAs over k in order (the same bits for any row count and either panel width)
 //   bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor
 //       x [..., H] bf16, w [H] bf16 -> w * bf16(x * rsqrt(mean(x^2) + eps)), in fp32 like
 //       transformers' Llama-style RMSNorm, one op instead of eight
@@ -570,6 +575,135 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
   return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
 }
 
+// ---- float32 weights: the same panels without the widening ----------------------------------
+// A float32 model's decode step reads 4 bytes a weight, and MKL's sgemm, which torch uses for 2+
+// rows, costs several one-row steps for a 4-8 row tree. Here a weight W [N, K] fp32 is repacked once
+// into panels [ceil(N/cols), K, cols] (natural column order); each output column is one chain of
+// fp32 FMAs over k in order whatever the rows beside it (row invariance) and whichever width, so a
+// tree's extra rows cost arithmetic on weights already loaded, not weight reads.
+
+at::Tensor f32_pack_panels(const at::Tensor& w_, int64_t cols) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kFloat && w_.device().is_cpu(),
+              "f32_pack_panels: w must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(cols == kCols || cols == kWideCols, "f32_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
+  const at::Tensor w = w_.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
+  at::Tensor out = at::zeros({P, K, cols}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < cols && p * cols + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + j] = src[(p * cols + j) * K + k];
+  });
+  return out;
+}
+
+// AVX2: 16 fp32 columns a panel (one 64-byte line a k-row), up to 6 rows (12 accumulators)
+template <int MB>
+inline void micro_f32(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int ncols) {
+  __m256 acc[MB][2];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    acc[m][0] = _mm256_setzero_ps();
+    acc[m][1] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kCols) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kCols);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kCols + 8);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  alignas(32) float tmp[kCols];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    _mm256_store_ps(tmp, acc[m][0]);
+    _mm256_store_ps(tmp + 8, acc[m][1]);
+    for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
+  }
+}
+
+// AVX-512: 32 fp32 columns a panel (two 64-byte lines a k-row), up to 12 rows
+template <int MB>
+__attribute__((target("avx512f"))) inline void micro_f32_wide(const float* x, int64_t K, const float* panel, float* y,
+                                                              int64_t ldy, int ncols) {
+  __m512 acc[MB][2];
+  _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+    acc[m][0] = _mm512_setzero_ps();
+    acc[m][1] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const char* line = reinterpret_cast<const char*>(panel + k * kWideCols) + 2 * kPrefetchBytes;
+    _mm_prefetch(line, _MM_HINT_T0);
+    _mm_prefetch(line + 64, _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kWideCols);
+    const __m512 w1 = _mm512_loadu_ps(panel + k * kWideCols + 16);
+    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  store_wide<MB>(acc, y, ldy, ncols);
+}
+
+template <int MB>
+void rows_f32(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int ncols, int rows) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return rows_f32<MB - 1>(x, K, panel, y, ldy, ncols, rows);
+  }
+  micro_f32<MB>(x, K, panel, y, ldy, ncols);
+}
+
+template <int MB>
+__attribute__((target("avx512f"))) void rows_f32_wide(const float* x, int64_t K, const float* panel, float* y,
+                                                      int64_t ldy, int ncols, int rows) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return rows_f32_wide<MB - 1>(x, K, panel, y, ldy, ncols, rows);
+  }
+  micro_f32_wide<MB>(x, K, panel, y, ldy, ncols);
+}
+
+at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_.dim() >= 1 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(),
+              "f32_panels_linear: x must be a float32 CPU tensor");
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols) &&
+                  panels.size(1) == x_.size(-1) && panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+              "f32_panels_linear: panels must come from f32_pack_panels for this input width");
+  const int64_t cols = panels.size(2);
+  TORCH_CHECK(n > (panels.size(0) - 1) * cols && n <= panels.size(0) * cols,
+              "f32_panels_linear: n does not match the panels");
+  TORCH_CHECK(cols == kCols || __builtin_cpu_supports("avx512f"),
+              "f32_panels_linear: 32-column panels need a CPU with AVX-512");
+  const at::Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  std::vector<int64_t> out_shape = x_.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int rows_max = cols == kWideCols ? kWideRows : 6;
+  at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = wp + p * K * cols;
+      const int nc = static_cast<int>(std::min<int64_t>(cols, n - p * cols));
+      for (int64_t m = 0; m < M; m += rows_max) {
+        const int rows = static_cast<int>(std::min<int64_t>(rows_max, M - m));
+        if (cols == kWideCols)
+          rows_f32_wide<kWideRows>(xp + m * K, K, panel, yp + m * n + p * cols, n, nc, rows);
+        else
+          rows_f32<6>(xp + m * K, K, panel, yp + m * n + p * cols, n, nc, rows);
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y.view(out_shape);
+}
+
 // sum of squares of n bf16 values, in fp32 (8 lanes, then the lanes in order)
 inline float sum_squares(const at::BFloat16* x, int64_t n) {
   const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
@@ -893,6 +1027,8 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 TORCH_LIBRARY(entmtp_cpu, m) {
   m.def("bf16_pack_panels(Tensor w, int cols=16, bool pairs=False, bool tiles=False) -> Tensor");
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
+  m.def("f32_pack_panels(Tensor w, int cols=16) -> Tensor");
+  m.def("f32_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv) -> Tensor[]");
@@ -902,6 +1038,8 @@ TORCH_LIBRARY(entmtp_cpu, m) {
 TORCH_LIBRARY_IMPL(entmtp_cpu, CPU, m) {
   m.impl("bf16_pack_panels", &bf16_pack_panels);
   m.impl("bf16_panels_linear", &bf16_panels_linear);
+  m.impl("f32_pack_panels", &f32_pack_panels);
+  m.impl("f32_panels_linear", &f32_panels_linear);
   m.impl("bf16_rms_norm", &bf16_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_split", &rope_split);
