@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="our decoding's kernels: auto = measured on this machine once (the fastest row-invariant set "
                         "no slower than stock, else the fastest; `entmtp tune` shows it); stock = transformers'; "
                         "onednn = linears prepacked for oneDNN (onednn-trees: for tree rows only, float32); panels = entmtp's own "
-                        "row-invariant bf16 kernels; "
+                        "row-invariant bf16 and float32 kernels; "
                         "packed = the first packed set available")
 
 

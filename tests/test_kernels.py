@@ -25,6 +25,14 @@ needs_pack32 = pytest.mark.skipif(kernels.can_pack(fp32_model) is not None,
                                   reason=f"no packed float32 kernels here: {kernels.can_pack(fp32_model)}")
 
 
+def assert_logits_close(model, twin, rtol: float) -> None:
+    """The twin's logits on a random 13-token prompt within rtol (of their scale) of the model's."""
+    ids = torch.randint(2, 96, (1, 13))
+    with torch.inference_mode():
+        a, b = model(ids).logits, twin(ids).logits
+    torch.testing.assert_close(b, a, rtol=rtol, atol=rtol * a.abs().max().item())
+
+
 needs_onednn32 = pytest.mark.skipif(kernels.kernel_options(torch.float32)["onednn"] is not None,
                                     reason=f"no oneDNN float32 packing here: {kernels.kernel_options(torch.float32)['onednn']}")
 
@@ -37,10 +45,7 @@ def test_float32_twin_is_within_rounding_and_decodes_like_generate():
     m, name, why = kernels.decode_model(model, "onednn")
     assert name == "onednn" and m is not model and "fp32" in why
     assert {p.data_ptr() for p in m.parameters()} == {p.data_ptr() for p in model.parameters()}
-    ids = torch.randint(2, 96, (1, 13))
-    with torch.inference_mode():
-        a, b = model(ids).logits, m(ids).logits
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    assert_logits_close(model, m, 1e-5)
     heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
     eng = Engine(model, None, heads, kernels="onednn")
     assert (eng.kernels, eng.runners["hydra"].kernels) == ("onednn", "onednn")
@@ -855,10 +860,7 @@ def test_float32_panels_twin_is_row_invariant_and_decodes_like_generate():
     assert any(isinstance(x, kernels.FusedAttention) for x in m.modules())
     assert any(isinstance(x, kernels.FusedMLP) for x in m.modules())
     assert isinstance(m.lm_head, kernels.PanelLinear) and m.lm_head.panels.dtype == torch.float32
-    ids = torch.randint(2, 96, (1, 13))
-    with torch.inference_mode():
-        a, b = model(ids).logits, m(ids).logits
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+    assert_logits_close(model, m, 1e-4)
     heads = {"hydra": random_heads(model, "hydra", num_heads=4)}
     eng = Engine(model, None, heads, kernels="panels")
     assert eng.kernels == "panels"

@@ -95,22 +95,42 @@ inline void widen(const uint16_t* row, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
 }
 
-// y[m, 0:ncols] = x[m, :] . panel columns, for MB rows of x [MB, K] fp32.
-// MB <= 6 keeps 2*MB accumulators + 2 weights + 1 broadcast within AVX2's 16 registers;
-// the unroll pragmas keep the accumulators in registers (gcc otherwise spills them every k).
-template <int MB>
-inline void micro(const float* x, int64_t K, const uint16_t* panel, float* y, int64_t ldy, int ncols) {
+// one fp32 k-row of a 16-column float32 panel (natural order) -> columns 0-7 and 8-15
+inline void widen(const float* row, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(row);
+  hi = _mm256_loadu_ps(row + 8);
+}
+
+// Weights stream from DRAM once per call; the hardware prefetcher alone leaves the micro-kernels
+// waiting on them (a 4-6 row product of the lm_head took 1.3-1.6x a 1-row one, 1.0-1.1x with
+// this). One prefetch per 64-byte line of k-row k of a C-column panel of T, kPrefetchBytes of bf16
+// ahead (twice that of fp32: the same k-rows ahead) -- past a panel's end that is the next panel,
+// which this thread reads next; a prefetch never faults.
+template <typename T, int C>
+inline void prefetch_row(const T* panel, int64_t k) {
+  constexpr int64_t kRow = sizeof(T) * C;
+  const char* ahead = reinterpret_cast<const char*>(panel + k * C) + kPrefetchBytes * sizeof(T) / 2;
+  if constexpr (kRow < 64) {
+    if ((k * kRow) % 64 == 0) _mm_prefetch(ahead, _MM_HINT_T0);
+  } else {
+    for (int64_t b = 0; b < kRow; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+  }
+}
+
+// y[m, 0:ncols] = x[m, :] . panel columns, for MB rows of x [MB, K] fp32; the panel holds bf16
+// (widened in registers) or fp32 weights, 16 columns. Each output column is one chain of fp32
+// FMAs over k in order. MB <= 6 keeps 2*MB accumulators + 2 weights + 1 broadcast within AVX2's
+// 16 registers; the unroll pragmas keep the accumulators in registers (gcc otherwise spills them
+// every k).
+template <int MB, typename T>
+inline void micro(const float* x, int64_t K, const T* panel, float* y, int64_t ldy, int ncols) {
   __m256 acc[MB][2];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
     acc[m][0] = _mm256_setzero_ps();
     acc[m][1] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    // Weights stream from DRAM once per call; the hardware prefetcher alone leaves this loop
-    // waiting on them (a 4-6 row product of the lm_head took 1.3-1.6x a 1-row one, 1.0-1.1x with
-    // this). One prefetch per 64-byte line (two k-rows), kPrefetchBytes ahead -- past a panel's
-    // end that is the next panel, which this thread reads next; a prefetch never faults.
-    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kCols) + kPrefetchBytes, _MM_HINT_T0);
+    prefetch_row<T, kCols>(panel, k);
     __m256 w0, w1;
     widen(panel + k * kCols, w0, w1);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
@@ -152,12 +172,25 @@ __attribute__((target("avx512f"))) inline void store_wide(const __m512 (&acc)[MB
   }
 }
 
+// one k-row of a 32-column panel (natural order) -> columns 0-15 and 16-31 as fp32
+__attribute__((target("avx512f"))) inline void widen_wide(const uint16_t* row, __m512& lo, __m512& hi) {
+  const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  const __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)));
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+  hi = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+}
+
+__attribute__((target("avx512f"))) inline void widen_wide(const float* row, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(row);
+  hi = _mm512_loadu_ps(row + 16);
+}
+
 // The AVX-512 twin of `micro`, on 32-column panels: y[m, 0:ncols] = x[m, :] . panel columns for MB
 // rows. Each output column is the same chain of fp32 FMAs over k as in `micro` (one accumulator
 // lane per column, k in order), so both kernels give bit-identical results; this one issues half
 // the instructions and holds up to 12 rows (24 accumulators) in AVX-512's 32 registers.
-template <int MB>
-__attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_t K, const uint16_t* panel, float* y,
+template <int MB, typename T>
+__attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_t K, const T* panel, float* y,
                                                           int64_t ldy, int ncols) {
   __m512 acc[MB][2];
   _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
@@ -165,11 +198,9 @@ __attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_
     acc[m][1] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kWideCols) + kPrefetchBytes, _MM_HINT_T0);
-    const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kWideCols)));
-    const __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kWideCols + 16)));
-    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
-    const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+    prefetch_row<T, kWideCols>(panel, k);
+    __m512 w0, w1;
+    widen_wide(panel + k * kWideCols, w0, w1);
     _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
@@ -181,21 +212,40 @@ __attribute__((target("avx512f"))) inline void micro_wide(const float* x, int64_
 
 constexpr int kWideRows = 12;
 
-template <int MB>
-__attribute__((target("avx512f"))) void rows_wide(const float* x, int64_t K, const uint16_t* panel, float* y,
+template <int MB, typename T>
+__attribute__((target("avx512f"))) void rows_wide(const float* x, int64_t K, const T* panel, float* y,
                                                   int64_t ldy, int ncols, int rows) {
   if constexpr (MB > 1) {
-    if (rows < MB) return rows_wide<MB - 1>(x, K, panel, y, ldy, ncols, rows);
+    if (rows < MB) return rows_wide<MB - 1, T>(x, K, panel, y, ldy, ncols, rows);
   }
-  micro_wide<MB>(x, K, panel, y, ldy, ncols);
+  micro_wide<MB, T>(x, K, panel, y, ldy, ncols);
 }
 
 // all M rows against one 32-column panel, 12 rows at a time
-__attribute__((target("avx512f"))) void panel_wide(const float* xp, int64_t M, int64_t K, const uint16_t* panel,
+template <typename T>
+__attribute__((target("avx512f"))) void panel_wide(const float* xp, int64_t M, int64_t K, const T* panel,
                                                    float* yb, int64_t n, int nc) {
   int64_t m = 0;
-  for (; m + kWideRows <= M; m += kWideRows) micro_wide<kWideRows>(xp + m * K, K, panel, yb + m * n, n, nc);
-  if (m < M) rows_wide<kWideRows - 1>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
+  for (; m + kWideRows <= M; m += kWideRows) micro_wide<kWideRows, T>(xp + m * K, K, panel, yb + m * n, n, nc);
+  if (m < M) rows_wide<kWideRows - 1, T>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
+}
+
+constexpr int kRows = 6;  // rows of a 16-column micro-kernel call (AVX2's 16 registers)
+
+template <int MB, typename T>
+void rows_narrow(const float* x, int64_t K, const T* panel, float* y, int64_t ldy, int ncols, int rows) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return rows_narrow<MB - 1, T>(x, K, panel, y, ldy, ncols, rows);
+  }
+  micro<MB, T>(x, K, panel, y, ldy, ncols);
+}
+
+// all M rows against one 16-column panel, 6 rows at a time
+template <typename T>
+void panel_narrow(const float* xp, int64_t M, int64_t K, const T* panel, float* yb, int64_t n, int nc) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) micro<kRows, T>(xp + m * K, K, panel, yb + m * n, n, nc);
+  if (m < M) rows_narrow<kRows - 1, T>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
 }
 
 // k-pair panels for CPUs with AVX512-BF16: W [N, K] -> [ceil(N/32), ceil(K/2), 64], each k-pair row
@@ -551,25 +601,11 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
                    static_cast<int>(std::min<int64_t>(kWideCols, n - p * kWideCols)));
     });
   } else {
-  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* panel = wp + p * K * kCols;
-      const int nc = static_cast<int>(std::min<int64_t>(kCols, n - p * kCols));
-      float* yb = yp + p * kCols;
-      int64_t m = 0;
-      for (; m + 6 <= M; m += 6) micro<6>(xp + m * K, K, panel, yb + m * n, n, nc);
-      const float* xr = xp + m * K;
-      float* yr = yb + m * n;
-      switch (M - m) {
-        case 5: micro<5>(xr, K, panel, yr, n, nc); break;
-        case 4: micro<4>(xr, K, panel, yr, n, nc); break;
-        case 3: micro<3>(xr, K, panel, yr, n, nc); break;
-        case 2: micro<2>(xr, K, panel, yr, n, nc); break;
-        case 1: micro<1>(xr, K, panel, yr, n, nc); break;
-        default: break;
-      }
-    }
-  });
+    at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        panel_narrow(xp, M, K, wp + p * K * kCols, yp + p * kCols, n,
+                     static_cast<int>(std::min<int64_t>(kCols, n - p * kCols)));
+    });
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
@@ -580,7 +616,8 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
 // rows, costs several one-row steps for a 4-8 row tree. Here a weight W [N, K] fp32 is repacked once
 // into panels [ceil(N/cols), K, cols] (natural column order); each output column is one chain of
 // fp32 FMAs over k in order whatever the rows beside it (row invariance) and whichever width, so a
-// tree's extra rows cost arithmetic on weights already loaded, not weight reads.
+// tree's extra rows cost arithmetic on weights already loaded, not weight reads. The micro-kernels are
+// those of the bf16 panels (`micro`, `micro_wide`): their `widen` overloads take fp32 k-rows as they are.
 
 at::Tensor f32_pack_panels(const at::Tensor& w_, int64_t cols) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kFloat && w_.device().is_cpu(),
@@ -597,73 +634,6 @@ at::Tensor f32_pack_panels(const at::Tensor& w_, int64_t cols) {
         for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + j] = src[(p * cols + j) * K + k];
   });
   return out;
-}
-
-// AVX2: 16 fp32 columns a panel (one 64-byte line a k-row), up to 6 rows (12 accumulators)
-template <int MB>
-inline void micro_f32(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int ncols) {
-  __m256 acc[MB][2];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    acc[m][0] = _mm256_setzero_ps();
-    acc[m][1] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kCols) + kPrefetchBytes, _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kCols);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kCols + 8);
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-      acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
-    }
-  }
-  alignas(32) float tmp[kCols];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    _mm256_store_ps(tmp, acc[m][0]);
-    _mm256_store_ps(tmp + 8, acc[m][1]);
-    for (int j = 0; j < ncols; ++j) y[m * ldy + j] = tmp[j];
-  }
-}
-
-// AVX-512: 32 fp32 columns a panel (two 64-byte lines a k-row), up to 12 rows
-template <int MB>
-__attribute__((target("avx512f"))) inline void micro_f32_wide(const float* x, int64_t K, const float* panel, float* y,
-                                                              int64_t ldy, int ncols) {
-  __m512 acc[MB][2];
-  _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-    acc[m][0] = _mm512_setzero_ps();
-    acc[m][1] = _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const char* line = reinterpret_cast<const char*>(panel + k * kWideCols) + 2 * kPrefetchBytes;
-    _mm_prefetch(line, _MM_HINT_T0);
-    _mm_prefetch(line + 64, _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kWideCols);
-    const __m512 w1 = _mm512_loadu_ps(panel + k * kWideCols + 16);
-    _Pragma("GCC unroll 12") for (int m = 0; m < MB; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
-    }
-  }
-  store_wide<MB>(acc, y, ldy, ncols);
-}
-
-template <int MB>
-void rows_f32(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int ncols, int rows) {
-  if constexpr (MB > 1) {
-    if (rows < MB) return rows_f32<MB - 1>(x, K, panel, y, ldy, ncols, rows);
-  }
-  micro_f32<MB>(x, K, panel, y, ldy, ncols);
-}
-
-template <int MB>
-__attribute__((target("avx512f"))) void rows_f32_wide(const float* x, int64_t K, const float* panel, float* y,
-                                                      int64_t ldy, int ncols, int rows) {
-  if constexpr (MB > 1) {
-    if (rows < MB) return rows_f32_wide<MB - 1>(x, K, panel, y, ldy, ncols, rows);
-  }
-  micro_f32_wide<MB>(x, K, panel, y, ldy, ncols);
 }
 
 at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
@@ -686,18 +656,13 @@ at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int rows_max = cols == kWideCols ? kWideRows : 6;
   at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = wp + p * K * cols;
       const int nc = static_cast<int>(std::min<int64_t>(cols, n - p * cols));
-      for (int64_t m = 0; m < M; m += rows_max) {
-        const int rows = static_cast<int>(std::min<int64_t>(rows_max, M - m));
-        if (cols == kWideCols)
-          rows_f32_wide<kWideRows>(xp + m * K, K, panel, yp + m * n + p * cols, n, nc, rows);
-        else
-          rows_f32<6>(xp + m * K, K, panel, yp + m * n + p * cols, n, nc, rows);
-      }
+      if (cols == kWideCols)
+        panel_wide(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
+      else
+        panel_narrow(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
     }
   });
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
