@@ -30,6 +30,7 @@ from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure
 from .lookup import chain_outcomes
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
+from .threads import torch_threads
 from .trees import Tree
 from .tuning import machine_dir, model_key
 
@@ -104,6 +105,16 @@ def _heads_id(runner) -> str:
     return hashlib.sha256((cfg + created).encode()).hexdigest()[:10]
 
 
+def decoding_threads(engine) -> Optional[int]:
+    """The CPU thread count the trees are chosen for: the governor's full count where one follows
+    the load (it drops to one thread only while other processes use the cores, so a tree chosen
+    then would stay too small once they stop), else torch's current count; None on a GPU."""
+    if engine.device.type != "cpu":
+        return None
+    gov = getattr(engine, "governor", None)
+    return gov.wide if gov is not None else torch.get_num_threads()
+
+
 def trees_path(engine, heads: str) -> Path:
     """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>[-t<threads>].json`.
 
@@ -112,7 +123,8 @@ def trees_path(engine, heads: str) -> Path:
     memory-bound), so trees timed with one count are not reused with another."""
     key = model_key(engine.model)
     label = heads.replace("+", "p")
-    threads = f"-t{torch.get_num_threads()}" if engine.device.type == "cpu" else ""
+    n = decoding_threads(engine)
+    threads = f"-t{n}" if n else ""
     name = (f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-"
             f"{_heads_id(engine.runners[heads])}{threads}-p{LATENCY_PROTOCOL}.json")  # remeasured when the timing protocol changes
     return machine_dir(engine.device) / name
@@ -237,7 +249,7 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
             return TunedTrees.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
             pass
-    with torch.inference_mode():
+    with torch.inference_mode(), torch_threads(decoding_threads(engine)):
         out = tune_trees(engine, heads, progress=progress)
     if out is None:
         return None
@@ -271,7 +283,7 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
     prof = engine.kernel_profile
     out = {"fingerprint": prof.fingerprint if prof else None, "dtype": str(engine.dtype).removeprefix("torch."),
            "device": str(engine.device), "kernels": engine.kernels, "kernels_why": engine.kernels_reason,
-           "row_invariant": engine.row_invariant, "threads": torch.get_num_threads() if engine.device.type == "cpu" else None,
+           "row_invariant": engine.row_invariant, "threads": decoding_threads(engine),
            "threads_governed": getattr(engine, "governor", None) is not None,
            "kernel_trials": [t.to_json() for t in prof.trials] if prof else [], "probe_s": prof.probe_s if prof else 0.0,
            "cache_file": prof.cache_file if prof else None, "heads": {}}

@@ -89,7 +89,8 @@ def profile_html(profile: dict, dtype_why: str = "") -> str:
                         "</code>) to measure this machine once.</div>")
     if profile.get("threads"):
         lines.append(f"<b>threads</b>: {profile['threads']}"
-                     + (" (measured: the count that decodes fastest here)" if measured else ""))
+                     + (" (measured: the count that decodes fastest here)" if measured else "")
+                     + ("; one while other processes use the cores (governor)" if profile.get("threads_governed") else ""))
     if measured:
         lines.append("<b>lossless</b>: " + ("tree rows are bitwise one-row steps: speculation emits exactly the "
                                             "plain loop's tokens" if profile.get("row_invariant") else

@@ -104,3 +104,14 @@ def test_wait_policy_is_set_before_torch_loads(env, expect):
         assert policy == ("None" if adaptive == "True" else "PASSIVE")
     else:
         assert policy == expect
+
+
+def test_machine_panel_says_when_the_thread_count_is_governed():
+    from entmtp.ui_machine import profile_html
+
+    base = {"fingerprint": {"cpu": "a CPU", "isa": "avx2", "cores": 2, "torch": "2.13.0"}, "dtype": "bfloat16",
+            "kernels": "stock", "kernels_why": "transformers' own", "threads": 2, "row_invariant": False,
+            "kernel_trials": [{"name": "stock", "ran": True, "ms_by_rows": {"1": 10.0}}], "probe_s": 1.0, "heads": {}}
+    governed, fixed = profile_html({**base, "threads_governed": True}), profile_html({**base, "threads_governed": False})
+    assert "<b>threads</b>: 2 (measured" in governed and "(governor)" in governed
+    assert "<b>threads</b>: 2 (measured" in fixed and "(governor)" not in fixed

@@ -138,6 +138,12 @@ def test_tuned_trees_are_kept_per_cpu_thread_count(tuning_on):
     with torch_threads(2):
         two = autotune.trees_path(eng, "hydra")
     assert one != two and one.parent == two.parent and "-t1-" in one.name and "-t2-" in two.name
+    # under the governor, trees are for its full count even while it decodes with one thread
+    from entmtp.threads import ThreadGovernor
+
+    eng.governor = ThreadGovernor(2)
+    with torch_threads(1):
+        assert autotune.trees_path(eng, "hydra") == two and autotune.decoding_threads(eng) == 2
 
 
 @pytest.mark.model
