@@ -250,6 +250,11 @@ def panels_product(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional
 FUSED_FP32_RTOL = 1e-4  # a fused float32 module (another summation order, exp) against the module it replaces
 
 
+def within_scale(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
+    """Whether y is within rtol of ref's largest magnitude everywhere (the probes' closeness)."""
+    return bool((y.float() - ref.float()).abs().max() <= rtol * ref.float().abs().max().clamp_min(1e-30))
+
+
 @functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
     """sha256 of the kernel library's source (names its build and the measurements taken with it)."""
@@ -399,7 +404,7 @@ class PackedLinear(_PackedBase):
         y, ref = self(x), nn.functional.linear(x, self.weight, self.bias)
         if self.weight.dtype == torch.bfloat16:
             return torch.equal(y, ref)
-        return bool((y - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
+        return within_scale(y, ref, FP32_PROBE_RTOL)
 
 
 class PanelLinear(_PackedBase):
@@ -430,9 +435,9 @@ class PanelLinear(_PackedBase):
     def matches(self, x: torch.Tensor) -> bool:
         if self.panels.dtype == torch.float32:
             ref = nn.functional.linear(x, self.weight, self.bias)
-            return bool((self(x) - ref).abs().max() <= FP32_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
+            return within_scale(self(x), ref, FP32_PROBE_RTOL)
         exact = nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
-        return bool((self(x).float() - exact).abs().max() <= BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30))
+        return within_scale(self(x), exact, BF16_PANEL_PROBE_RTOL)
 
 
 class FusedRMSNorm(nn.Module):
@@ -467,7 +472,7 @@ class FusedRMSNorm(nn.Module):
 
     def matches(self, x: torch.Tensor) -> bool:
         ref = self._reference(x).float()
-        return bool((self(x).float() - ref).abs().max() <= BF16_PANEL_PROBE_RTOL * ref.abs().max().clamp_min(1e-30))
+        return within_scale(self(x), ref, BF16_PANEL_PROBE_RTOL)
 
 
 class FusedMLP(nn.Module):
@@ -510,7 +515,7 @@ class FusedMLP(nn.Module):
     def matches(self, x: torch.Tensor) -> bool:
         if x.dtype == torch.float32:
             ref = self._reference(x)
-            return bool((self(x) - ref).abs().max() <= FUSED_FP32_RTOL * ref.abs().max().clamp_min(1e-30))
+            return within_scale(self(x), ref, FUSED_FP32_RTOL)
         f = lambda w: w.float()  # noqa: E731
         xf = x.float()
         exact = nn.functional.linear(nn.functional.silu(xf @ f(self.gate_weight).T) * (xf @ f(self.up_weight).T), f(self.down_weight))
@@ -632,7 +637,7 @@ class FusedAttention(nn.Module):
             outs.append(torch.cat(parts, 1))
         ours, module, exact = outs
         if x.dtype == torch.float32:
-            return bool((ours - module).abs().max() <= FUSED_FP32_RTOL * module.abs().max().clamp_min(1e-30))
+            return within_scale(ours, module, FUSED_FP32_RTOL)
         tol = BF16_PANEL_PROBE_RTOL * exact.abs().max().clamp_min(1e-30)
         # the module rounds to bf16 some ten times on the way (up to ~9 tol seen on SmolLM2-135M); another
         # formula (rotary convention, scaling) would miss by a sizeable fraction of the output scale
@@ -754,10 +759,10 @@ KERNEL_WHY = {
                     f"{FP32_PROBE_RTOL:g}, probed)",
     "panels": "entmtp's kernel library: bf16 linears in panels with fp32 sums, each row alone in a fixed order (the "
               "same bits for any row count), RMSNorms, gated MLPs and Llama attentions fused, attention in float32 (probed)",
-    "panels-fp32": "entmtp's kernel library: float32 linears in panels, each row alone in a fixed order (the same bits "
-                   f"for any row count; within {FP32_PROBE_RTOL:g} of F.linear), gated MLPs and Llama attentions fused "
-                   "(probed)",
 }
+PANELS_FP32_WHY = ("entmtp's kernel library: float32 linears in panels, each row alone in a fixed order (the same bits "
+                   f"for any row count; within {FP32_PROBE_RTOL:g} of F.linear), gated MLPs and Llama attentions fused "
+                   "(probed)")  # "panels" for a float32 model
 
 
 def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
@@ -795,19 +800,20 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     if why:
         raise ValueError(f"cannot use the {kernels} kernels: {why}")
     sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    fp32_attention = kernels == "panels" and sdpa  # a float32 model attends in float32 already; fused too
+    fuse_attention = kernels == "panels" and sdpa
     try:
-        twin = packed_twin(model, method=kernels, fused_attention=fp32_attention)
+        twin = packed_twin(model, method=kernels, fused_attention=fuse_attention)
     except ValueError as e:
         raise ValueError(f"cannot use the {kernels} kernels: {e}") from None
-    if fp32_attention and p.dtype == torch.bfloat16:
+    if fuse_attention and p.dtype == torch.bfloat16:  # a float32 model attends in float32 already
         use_fp32_attention(twin, model.config)
-    why = (KERNEL_WHY["panels-fp32"] if kernels == "panels" and p.dtype == torch.float32 else KERNEL_WHY[kernels]) + \
-        (f"; {panel_layout()} panel layout" if kernels == "panels" else "")
-    return twin, kernels, why
+    if kernels != "panels":
+        return twin, kernels, KERNEL_WHY[kernels]
+    why = PANELS_FP32_WHY if p.dtype == torch.float32 else KERNEL_WHY["panels"]
+    return twin, kernels, f"{why}; {panel_layout()} panel layout"
 
 
-__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "FusedAttention", "FusedMLP",
+__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "panels_product", "within_scale", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

@@ -64,6 +64,24 @@ constexpr int kSlot[kCols] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 
 at::Tensor pack_pairs(const at::Tensor& w);
 at::Tensor pack_tiles(const at::Tensor& w);
 
+// W [N, K] (contiguous, elements stored as T) -> panels [ceil(N/cols), K, cols], zero-padded; column j
+// of a panel goes to slot slot(j) of each k-row
+template <typename T, typename Slot>
+at::Tensor pack_columns(const at::Tensor& w, int64_t cols, Slot slot) {
+  const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
+  at::Tensor out = at::zeros({P, K, cols}, w.options());
+  const T* src = static_cast<const T*>(w.data_ptr());
+  T* dst = static_cast<T*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < cols && p * cols + j < N; ++j) {
+        const int64_t to = slot(j);
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + to] = src[(p * cols + j) * K + k];
+      }
+  });
+  return out;
+}
+
 at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs, bool tiles) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.device().is_cpu(),
               "bf16_pack_panels: w must be a 2-D bfloat16 CPU tensor");
@@ -72,19 +90,8 @@ at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs, bool
   TORCH_CHECK(!tiles || pairs, "bf16_pack_panels: AMX tiles are k-pair panels");
   if (tiles) return pack_tiles(w_.contiguous());
   if (pairs) return pack_pairs(w_.contiguous());
-  const at::Tensor w = w_.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
-  at::Tensor out = at::zeros({P, K, cols}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < cols && p * cols + j < N; ++j) {
-        const int64_t slot = cols == kCols ? kSlot[j] : j;  // wide panels: natural order
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + slot] = src[(p * cols + j) * K + k];
-      }
-  });
-  return out;
+  // 16 columns permuted for the unpack widening; wide panels in natural order
+  return pack_columns<uint16_t>(w_.contiguous(), cols, [cols](int64_t j) -> int64_t { return cols == kCols ? kSlot[j] : j; });
 }
 
 // one packed k-row (16 bf16) -> columns 0-7 and 8-15 as fp32
@@ -246,6 +253,21 @@ void panel_narrow(const float* xp, int64_t M, int64_t K, const T* panel, float* 
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) micro<kRows, T>(xp + m * K, K, panel, yb + m * n, n, nc);
   if (m < M) rows_narrow<kRows - 1, T>(xp + m * K, K, panel, yb + m * n, n, nc, static_cast<int>(M - m));
+}
+
+// y [M, n] = x [M, K] fp32 . the P panels of T at wp (16 or 32 columns, FMA layout), split over the panels
+template <typename T>
+void fma_panels_product(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, int64_t cols, float* yp,
+                        int64_t n) {
+  at::parallel_for(0, P, cols == kWideCols ? 2 : 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nc = static_cast<int>(std::min<int64_t>(cols, n - p * cols));
+      if (cols == kWideCols)
+        panel_wide(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
+      else
+        panel_narrow(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
+    }
+  });
 }
 
 // k-pair panels for CPUs with AVX512-BF16: W [N, K] -> [ceil(N/32), ceil(K/2), 64], each k-pair row
@@ -594,19 +616,7 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  if (cols == kWideCols) {
-    at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        panel_wide(xp, M, K, wp + p * K * kWideCols, yp + p * kWideCols, n,
-                   static_cast<int>(std::min<int64_t>(kWideCols, n - p * kWideCols)));
-    });
-  } else {
-    at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        panel_narrow(xp, M, K, wp + p * K * kCols, yp + p * kCols, n,
-                     static_cast<int>(std::min<int64_t>(kCols, n - p * kCols)));
-    });
-  }
+  fma_panels_product(xp, M, K, wp, P, cols, yp, n);
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
 }
@@ -623,17 +633,7 @@ at::Tensor f32_pack_panels(const at::Tensor& w_, int64_t cols) {
   TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kFloat && w_.device().is_cpu(),
               "f32_pack_panels: w must be a 2-D float32 CPU tensor");
   TORCH_CHECK(cols == kCols || cols == kWideCols, "f32_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
-  const at::Tensor w = w_.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + cols - 1) / cols;
-  at::Tensor out = at::zeros({P, K, cols}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < cols && p * cols + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * cols + j] = src[(p * cols + j) * K + k];
-  });
-  return out;
+  return pack_columns<float>(w_.contiguous(), cols, [](int64_t j) { return j; });
 }
 
 at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t n,
@@ -656,15 +656,7 @@ at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 2, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nc = static_cast<int>(std::min<int64_t>(cols, n - p * cols));
-      if (cols == kWideCols)
-        panel_wide(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
-      else
-        panel_narrow(xp, M, K, wp + p * K * cols, yp + p * cols, n, nc);
-    }
-  });
+  fma_panels_product(xp, M, K, wp, P, cols, yp, n);
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y.view(out_shape);
 }
