@@ -250,6 +250,16 @@ def panels_product(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional
 FUSED_FP32_RTOL = 1e-4  # a fused float32 module (another summation order, exp) against the module it replaces
 
 
+def move_rows(tensors: list[torch.Tensor], src: list[int], dst: int) -> bool:
+    """In each tensor [B, heads, L, D], rows src[i] of dim 2 move to dst + i (src ascending, src[i] >=
+    dst + i): a tree step's accepted keys and values, every layer in one call of entmtp's `keep_rows`
+    op. False, with nothing moved, where the op cannot take them (not built here, or off the CPU)."""
+    if not tensors or not all(t.is_cpu for t in tensors) or _panels_unavailable():
+        return False  # (the op checks each tensor's layout itself)
+    torch.ops.entmtp_cpu.keep_rows(tensors, src, dst)
+    return True
+
+
 def within_scale(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
     """Whether y is within rtol of ref's largest magnitude everywhere (the probes' closeness)."""
     return bool((y.float() - ref.float()).abs().max() <= rtol * ref.float().abs().max().clamp_min(1e-30))
@@ -813,7 +823,7 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return twin, kernels, f"{why}; {panel_layout()} panel layout"
 
 
-__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "panels_product", "within_scale", "FusedAttention", "FusedMLP",
+__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

@@ -24,9 +24,36 @@ class GrowingLayer(DynamicLayer):
     `values` are views of their first `length` positions, in `dtype` (None: the incoming one)."""
 
     def __init__(self, dtype: Optional[torch.dtype] = None, capacity: int = 256):
+        self._keys = self._values = None
         super().__init__()
         self.store_dtype, self.capacity, self.length = dtype, capacity, 0
-        self._keys = self._values = None
+
+    # keys and values are sliced when read, so crops and tree steps only set a length (a view per
+    # layer per step would cost more than the step's bookkeeping)
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment(value)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment(value)
+
+    @staticmethod
+    def _refuse_assignment(value) -> None:
+        if value is not None:  # transformers' init and reset assign None
+            raise NotImplementedError("a GrowingLayer's keys and values live in its buffers; they cannot be replaced")
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [B, H, capacity, D] (positions from `length` on are free)."""
+        return self._keys, self._values
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -36,11 +63,7 @@ class GrowingLayer(DynamicLayer):
         self._keys = torch.empty(b, h, self.capacity, dk, dtype=dtype, device=self.device)
         self._values = torch.empty(b, h, self.capacity, dv, dtype=dtype, device=self.device)
         self.length = 0
-        self._views()
         self.is_initialized = True
-
-    def _views(self) -> None:
-        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states [B, H, q, D] -> all keys and values [B, H, length + q, D] (views)."""
@@ -57,8 +80,7 @@ class GrowingLayer(DynamicLayer):
         self._keys[:, :, self.length: need] = key_states
         self._values[:, :, self.length: need] = value_states
         self.length = need
-        self._views()
-        return self.keys, self.values
+        return self._keys[:, :, :need], self._values[:, :, :need]
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -69,7 +91,6 @@ class GrowingLayer(DynamicLayer):
             raise ValueError(f"crop takes a negative count of positions to remove, not {tokens_to_remove}")
         if self.is_initialized and tokens_to_remove:
             self.length = max(0, self.length + tokens_to_remove)
-            self._views()
 
     def reset(self) -> None:
         self._keys = self._values = None

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import torch
 
 from .hardware import fast_bf16_matmul
-from .kernels import packed_layer
+from .kernels import move_rows, packed_layer
+from .kvcache import GrowingLayer
 
 
 class UnsupportedModelError(RuntimeError):
@@ -74,18 +75,21 @@ def keep_cache_entries(cache, past: int, path: list[int], n_tree: int) -> None:
         if n_tree > a:
             cache.crop(-(n_tree - a))  # transformers 5: a negative count removes positions
         return
-    sel = torch.tensor(path, dtype=torch.long) + past
-    on_device: dict = {}  # one host-to-device copy per device (layers may live on several GPUs), not per layer
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        s = on_device.get(keys.device)
-        if s is None:
-            s = on_device[keys.device] = sel.to(keys.device)
-        # index_select copies first, so writing into the same storage is safe.
-        keys[:, :, past: past + a] = keys.index_select(-2, s)
-        layer.values[:, :, past: past + a] = layer.values.index_select(-2, s)
+    j = next(i for i, p in enumerate(path) if p != i)  # the path's leading nodes are in place already
+    layers = [layer for layer in cache.layers if layer.get_seq_length()]
+    # a GrowingLayer's whole buffers: its keys and values are slices made when read
+    stores = [t for layer in layers for t in (layer.buffers() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values))]
+    if not move_rows(stores, [past + p for p in path[j:]], past + j):
+        sel = torch.tensor(path[j:], dtype=torch.long) + past
+        on_device: dict = {}  # one host-to-device copy per device (layers may live on several GPUs), not per layer
+        for layer in layers:
+            s = on_device.get(layer.keys.device)
+            if s is None:
+                s = on_device[layer.keys.device] = sel.to(layer.keys.device)
+            # index_select copies first, so writing into the same storage is safe.
+            layer.keys[:, :, past + j: past + a] = layer.keys.index_select(-2, s)
+            layer.values[:, :, past + j: past + a] = layer.values.index_select(-2, s)
+    for layer in layers:
         # the layer's own crop (negative count): a GrowingLayer shortens its views, a DynamicLayer slices
         layer.crop(past + a - layer.get_seq_length())
 

@@ -107,6 +107,10 @@ MUTANTS = (
     Mutant("f32_panel_half", "the float32 panel kernel multiplies columns 8-15 of a panel by the weights of columns 0-7",
            "entmtp/csrc/bf16_panels.cpp", "  hi = _mm256_loadu_ps(row + 8);\n", "  hi = _mm256_loadu_ps(row);\n",
            ("tests/test_kernels.py::test_float32_panels_are_row_invariant_and_within_rounding_of_f_linear",)),
+    Mutant("attend_group_key", "attention scores every query head of a pass against the first head's query",
+           "entmtp/csrc/bf16_panels.cpp", "qv[g] = _mm256_loadu_ps(qr[g] + d);", "qv[g] = _mm256_loadu_ps(qr[0] + d);",
+           ("tests/test_kernels.py::test_attend_gives_each_query_head_the_bits_it_has_alone",
+            "tests/test_kernels.py::test_attend_is_the_attention_and_each_row_its_own")),
 )
 
 

@@ -787,6 +787,29 @@ def test_attend_is_the_attention_and_each_row_its_own(d):
 
 
 @needs_panels
+@pytest.mark.parametrize("group", [1, 2, 3, 5])  # query heads per key/value head: passes of 3, 2 and 1 heads
+def test_attend_gives_each_query_head_the_bits_it_has_alone(group):
+    """attend computes the query heads of one key/value head in passes that share each key and value
+    load; a head's output must not depend on which heads share its pass: bit for bit the output of
+    that head attended alone (one query head on its key/value head), and within fp32 rounding of the
+    float64 attention."""
+    from test_attention import exact_attention
+
+    ops = torch.ops.entmtp_cpu
+    g = torch.Generator().manual_seed(11)
+    hkv, q_len, keys, d = 2, 4, 29, 72  # 29 keys: padded score blocks; 72: a 32-column chunk and an 8-column one
+    q = torch.randn(1, hkv * group, q_len, d, generator=g)
+    k, v = (torch.randn(1, hkv, keys, d, generator=g) for _ in range(2))
+    out = ops.attend(q, k, v, None, True, d ** -0.5)  # [1, q_len, H, d]
+    for h in range(hkv * group):
+        kv = h // group
+        alone = ops.attend(q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1], None, True, d ** -0.5)
+        assert torch.equal(alone[:, :, 0], out[:, :, h]), f"head {h}"
+    causal = torch.ones(q_len, keys, dtype=torch.bool).tril(keys - q_len)
+    torch.testing.assert_close(out.double(), exact_attention(q, k, v, causal).transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+@needs_panels
 def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, monkeypatch):
     from entmtp.heads import FusedPrefixLayer, HeadRunner, PrefixState
 

@@ -43,8 +43,13 @@ def test_growing_layer_stores_its_dtype_exactly():
     assert torch.equal(keys, k.float()) and torch.equal(values, v.float())  # bf16 -> fp32 is exact
 
 
-def test_keep_cache_entries_on_growing_layers_matches_dynamic_layers():
+@pytest.mark.parametrize("one_op", [True, False])  # entmtp's keep_rows op (where built), or torch indexing per layer
+def test_keep_cache_entries_on_growing_layers_matches_dynamic_layers(one_op, monkeypatch):
     """A non-prefix accepted path: the kept positions, in order, then writing continues after them."""
+    if one_op and kernels._panels_unavailable():
+        pytest.skip(kernels._panels_unavailable())
+    if not one_op:
+        monkeypatch.setattr("entmtp.verify.move_rows", lambda *a: False)
     caches = [DynamicCache(), DynamicCache()]
     caches[1].layers = [GrowingLayer(capacity=8) for _ in range(2)]
     caches[0].layers = [DynamicLayer() for _ in range(2)]
@@ -58,6 +63,20 @@ def test_keep_cache_entries_on_growing_layers_matches_dynamic_layers():
         assert a.get_seq_length() == b.get_seq_length() == 8
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(caches[1].layers[0].keys[:, :, 4:7], kv(10, 0)[0][:, :, [4, 6, 9]])
+
+
+def test_keep_rows_refuses_moves_it_cannot_make_in_place():
+    """The op moves rows only downwards and in ascending order (so no source is overwritten before it
+    is read): anything else is a one-line error, not a silently scrambled cache."""
+    if kernels._panels_unavailable():
+        pytest.skip(kernels._panels_unavailable())
+    t = torch.arange(2 * 3 * 8 * 16, dtype=torch.float32).view(2, 3, 8, 16)
+    expect = t.clone()
+    expect[:, :, 2:4] = t[:, :, [3, 6]]
+    assert kernels.move_rows([t], [3, 6], 2) and torch.equal(t, expect)
+    for src, dst in (([1, 6], 2), ([6, 3], 2), ([3, 9], 2)):  # upwards, descending, outside the cache
+        with pytest.raises(RuntimeError, match="keep_rows: src must ascend"):
+            torch.ops.entmtp_cpu.keep_rows([t], src, dst)
 
 
 def test_decoding_cache_layers_and_dtype():

@@ -36,6 +36,9 @@
 //   attend(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor
 //       fp32 attention, q [B, H, Q, D], k/v [B, Hkv, L, D] -> [B, Q, H, D], each row's result
 //       independent of the rest of the call (see the note above the function)
+//   keep_rows(Tensor[] caches, int[] src, int dst) -> ()
+//       in place, in every cache tensor [B, heads, L, D]: rows src[i] of dim 2 (ascending, src[i] >= dst + i)
+//       moved to dst + i -- the accepted tree path's keys and values, all layers in one call
 //
 // Decoding a 135M model, each op call costs ~10 us of dispatch on a small VM: the fused ops
 // are there to remove calls, not flops.
@@ -811,65 +814,105 @@ inline float lanes_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// o[0:8 DB] = inv * sum_m p[m] v[idx[m]] (rows of v `stride` apart), accumulators in registers: each
-// element summed in key order, then one multiply
-template <int DB>
-inline void weighted_rows(const float* p, const int64_t* idx, int64_t n, const float* v, int64_t stride, float inv,
-                          float* o) {
-  __m256 acc[DB];
-  _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t m = 0; m < n; ++m) {
-    const __m256 pm = _mm256_set1_ps(p[m]);
-    const float* vr = v + idx[m] * stride;
-    _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) acc[d] = _mm256_fmadd_ps(pm, _mm256_loadu_ps(vr + 8 * d), acc[d]);
-  }
-  const __m256 iv = _mm256_set1_ps(inv);
-  _Pragma("GCC unroll 8") for (int d = 0; d < DB; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], iv));
-}
-
-// o[0:D] = inv * sum_m p[m] v[idx[m]] for any D % 8 == 0, in chunks of at most 64 columns (8 registers)
-inline void weighted_sum(const float* p, const int64_t* idx, int64_t n, const float* v, int64_t stride, float inv,
-                         float* o, int64_t D) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const float* vc = v + d0;
-    float* oc = o + d0;
-    switch (std::min<int64_t>(8, (D - d0) / 8)) {
-      case 8: weighted_rows<8>(p, idx, n, vc, stride, inv, oc); break;
-      case 7: weighted_rows<7>(p, idx, n, vc, stride, inv, oc); break;
-      case 6: weighted_rows<6>(p, idx, n, vc, stride, inv, oc); break;
-      case 5: weighted_rows<5>(p, idx, n, vc, stride, inv, oc); break;
-      case 4: weighted_rows<4>(p, idx, n, vc, stride, inv, oc); break;
-      case 3: weighted_rows<3>(p, idx, n, vc, stride, inv, oc); break;
-      case 2: weighted_rows<2>(p, idx, n, vc, stride, inv, oc); break;
-      default: weighted_rows<1>(p, idx, n, vc, stride, inv, oc); break;
-    }
-  }
-}
-
-// s[m] = scale * (q . k[idx[m]]) + bias[m] for m < n rounded up to 8 (idx and bias padded by the
-// caller), eight keys at a time: each key's dot product accumulates its 8-float blocks in d order in
-// its own register (eight independent FMA chains instead of one), then one transpose-reduction sums
-// each key's lanes as ((0+1)+(2+3))+((4+5)+(6+7)) -- the same in every slot, so a key's score does
-// not depend on which keys share its block
-inline void key_scores(const float* qr, const float* kb, int64_t stride, const int64_t* idx, const float* bias,
-                       int64_t n, int64_t D, float scale, float* s) {
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (int64_t m = 0; m < n; m += 8) {
-    const float* kr[8];
-    __m256 a[8];
-    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
-      kr[j] = kb + idx[m + j] * stride;
-      a[j] = _mm256_setzero_ps();
-    }
+// s[g][m] = scale * (q_g . k[idx[m]]) + bias[m] for GB query heads that share their keys
+// (grouped-query attention), four keys at a time, each key's k-row loaded once for the GB heads.
+// Every (head, key) pair accumulates its 8-float blocks in d order in its own register (independent
+// FMA chains), then one transpose-reduction sums its lanes as ((0+1)+(2+3))+((4+5)+(6+7)) -- the same
+// in every slot, so a score has the same bits whichever heads and keys share the pass.
+//   qr[g], s[g]: head g's query row and scores; n a multiple of 4 (idx and bias padded by the caller)
+template <int GB>
+inline void group_key_scores(const float* const* qr, const float* kb, int64_t stride, const int64_t* idx,
+                             const float* bias, int64_t n, int64_t D, float scale, float* const* s) {
+  const __m128 sv = _mm_set1_ps(scale);
+  for (int64_t m = 0; m < n; m += 4) {
+    const float* kr[4];
+    __m256 a[GB][4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) kr[j] = kb + idx[m + j] * stride;
+    _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g)
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(qr + d);
-      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), a[j]);
+      __m256 qv[GB];
+      _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) qv[g] = _mm256_loadu_ps(qr[g] + d);
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+        const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
+      }
     }
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    const __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-    _mm256_storeu_ps(s + m, _mm256_add_ps(_mm256_mul_ps(dot, sv), _mm256_loadu_ps(bias + m)));
+    _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) {
+      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+      const __m128 dot = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+      _mm_storeu_ps(s[g] + m, _mm_add_ps(_mm_mul_ps(dot, sv), _mm_loadu_ps(bias + m)));
+    }
   }
+}
+
+// o[g][d0 : d0 + 8 DB] = inv[g] * sum_m p[g][m] v[idx[m]] (rows of v `stride` apart) for GB heads, each
+// value block loaded once for the GB heads; every element summed sequentially in key order from zero,
+// then one multiply -- the same bits whichever heads share the pass
+template <int GB, int DB>
+inline void group_weighted_rows(const float* const* p, const int64_t* idx, int64_t n, const float* v, int64_t stride,
+                                const float* inv, float* const* o, int64_t d0) {
+  __m256 acc[GB][DB];
+  _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g)
+    _Pragma("GCC unroll 4") for (int d = 0; d < DB; ++d) acc[g][d] = _mm256_setzero_ps();
+  for (int64_t m = 0; m < n; ++m) {
+    __m256 pm[GB];
+    _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) pm[g] = _mm256_set1_ps(p[g][m]);
+    const float* vr = v + idx[m] * stride + d0;
+    _Pragma("GCC unroll 4") for (int d = 0; d < DB; ++d) {
+      const __m256 vv = _mm256_loadu_ps(vr + 8 * d);
+      _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) acc[g][d] = _mm256_fmadd_ps(pm[g], vv, acc[g][d]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int g = 0; g < GB; ++g) {
+    const __m256 iv = _mm256_set1_ps(inv[g]);
+    _Pragma("GCC unroll 4") for (int d = 0; d < DB; ++d) _mm256_storeu_ps(o[g] + d0 + 8 * d, _mm256_mul_ps(acc[g][d], iv));
+  }
+}
+
+// group_weighted_rows over any D % 8 == 0, in chunks of at most 32 columns (GB x 4 accumulators)
+template <int GB>
+inline void group_weighted_sum(const float* const* p, const int64_t* idx, int64_t n, const float* v, int64_t stride,
+                               const float* inv, float* const* o, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    switch (std::min<int64_t>(4, (D - d0) / 8)) {
+      case 4: group_weighted_rows<GB, 4>(p, idx, n, v, stride, inv, o, d0); break;
+      case 3: group_weighted_rows<GB, 3>(p, idx, n, v, stride, inv, o, d0); break;
+      case 2: group_weighted_rows<GB, 2>(p, idx, n, v, stride, inv, o, d0); break;
+      default: group_weighted_rows<GB, 1>(p, idx, n, v, stride, inv, o, d0); break;
+    }
+  }
+}
+
+// softmax of scores s[0:n8) in place (padding slots -inf -> 0), returning their sum: max and sum over
+// eight lanes, then across lanes in a fixed order (vs one serial chain)
+inline float softmax_in_place(float* s, int64_t n8) {
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t m = 0; m < n8; m += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(s + m));
+  const __m256 mxv = _mm256_set1_ps(lanes_max(mx8));
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t m = 0; m < n8; m += 8) {
+    const __m256 x = _mm256_loadu_ps(s + m);  // padding: exactly 0 (exp8 clamps -inf to e^-88)
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mxv)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+    _mm256_storeu_ps(s + m, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return lanes_sum(sum8);
+}
+
+// GB heads (1-3) of one query row against its gathered keys: scores, softmax, weighted values
+template <int GB>
+inline void attend_heads(const float* const* qr, const float* kb, int64_t ks, const float* vb, int64_t vs,
+                         const int64_t* idx, const float* bias, int64_t n, int64_t n8, int64_t D, float scale,
+                         float* const* sc, float* const* o) {
+  group_key_scores<GB>(qr, kb, ks, idx, bias, n8, D, scale, sc);
+  float inv[GB];
+  for (int g = 0; g < GB; ++g) {
+    for (int64_t m = n; m < n8; ++m) sc[g][m] = -INFINITY;  // padding slots: no weight
+    inv[g] = 1.f / softmax_in_place(sc[g], n8);
+  }
+  // o = sum_m p_m v_m / total, each output element summed sequentially in key order
+  group_weighted_sum<GB>(sc, idx, n, vb, vs, inv, o, D);
 }
 
 // Attention in fp32 whose every output row is a function of that row's query and the keys it sees
@@ -917,7 +960,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
   // one task per (batch, kv head, query row): the row's visible keys, then its G heads
   at::parallel_for(0, B * Hkv * Q, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> idx(L + 8);
-    std::vector<float> bias(L + 8), sc(L + 8);
+    std::vector<float> bias(L + 8), sc(3 * (L + 8));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (Hkv * Q), hk = (t / Q) % Hkv, i = t % Q;
       const int64_t last = causal ? L - Q + i : L - 1;
@@ -949,34 +992,52 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
       }
       const float* kb = kp + b * ks0 + hk * ks1;
       const float* vb = vp + b * vs0 + hk * vs1;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g;
-        const float* qr = qp + ((b * H + h) * Q + i) * D;
-        float* o = op + ((b * Q + i) * H + h) * D;
-        if (n == 0) {  // nothing visible: zeros (sdpa would give NaN)
-          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-          continue;
+      if (n == 0) {  // nothing visible: zeros (sdpa would give NaN)
+        for (int64_t g = 0; g < G; ++g) std::fill_n(op + ((b * Q + i) * H + hk * G + g) * D, D, 0.f);
+        continue;
+      }
+      // the kv head's G query heads in passes of up to 3 sharing each key and value load
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gb = static_cast<int>(std::min<int64_t>(3, G - g0));
+        const float* qr[3];
+        float* o[3];
+        float* s[3];
+        for (int g = 0; g < gb; ++g) {
+          const int64_t h = hk * G + g0 + g;
+          qr[g] = qp + ((b * H + h) * Q + i) * D;
+          o[g] = op + ((b * Q + i) * H + h) * D;
+          s[g] = sc.data() + g * (L + 8);
         }
-        key_scores(qr, kb, ks2, idx.data(), bias.data(), n, D, fscale, sc.data());
-        for (int64_t m = n; m < n8; ++m) sc[m] = -INFINITY;  // padding slots: no weight
-        // max and sum over eight lanes, then across lanes in a fixed order (vs one serial chain)
-        __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        for (int64_t m = 0; m < n8; m += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc.data() + m));
-        const __m256 mxv = _mm256_set1_ps(lanes_max(mx8));
-        __m256 sum8 = _mm256_setzero_ps();
-        for (int64_t m = 0; m < n8; m += 8) {
-          const __m256 x = _mm256_loadu_ps(sc.data() + m);  // padding: exactly 0 (exp8 clamps -inf to e^-88)
-          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mxv)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
-          _mm256_storeu_ps(sc.data() + m, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        const float total = lanes_sum(sum8);
-        // o = sum_m p_m v_m / total, each output element summed sequentially in key order
-        weighted_sum(sc.data(), idx.data(), n, vb, vs2, 1.f / total, o, D);
+        if (gb == 3) attend_heads<3>(qr, kb, ks2, vb, vs2, idx.data(), bias.data(), n, n8, D, fscale, s, o);
+        else if (gb == 2) attend_heads<2>(qr, kb, ks2, vb, vs2, idx.data(), bias.data(), n, n8, D, fscale, s, o);
+        else attend_heads<1>(qr, kb, ks2, vb, vs2, idx.data(), bias.data(), n, n8, D, fscale, s, o);
       }
     }
   });
   return out;
+}
+
+// After a tree step the cache keeps the accepted nodes' rows: one call for every layer's keys and
+// values instead of two indexing ops and two copies per layer (~0.5 ms a step on a 30-layer model).
+// Rows move to lower or equal positions in ascending order, so no source is overwritten before it is read.
+void keep_rows(at::TensorList caches, at::IntArrayRef src, int64_t dst) {
+  for (const at::Tensor& t : caches) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1, "keep_rows: caches must be CPU tensors [B, heads, L, D] with a contiguous last dim");
+    for (size_t i = 0; i < src.size(); ++i)
+      TORCH_CHECK(src[i] >= dst + static_cast<int64_t>(i) && src[i] < t.size(2) && (i == 0 || src[i] > src[i - 1]),
+                  "keep_rows: src must ascend with src[i] >= dst + i, inside the cache");
+  }
+  for (const at::Tensor& t : caches) {
+    const int64_t B = t.size(0), H = t.size(1), rb = t.size(3) * t.element_size();
+    char* base = static_cast<char*>(t.data_ptr());
+    const int64_t s0 = t.stride(0) * t.element_size(), s1 = t.stride(1) * t.element_size(), s2 = t.stride(2) * t.element_size();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        char* p = base + b * s0 + h * s1;
+        for (size_t i = 0; i < src.size(); ++i)
+          if (src[i] != dst + static_cast<int64_t>(i)) std::memcpy(p + (dst + i) * s2, p + src[i] * s2, rb);
+      }
+  }
 }
 
 }  // namespace
@@ -988,6 +1049,7 @@ TORCH_LIBRARY(entmtp_cpu, m) {
   m.def("f32_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("keep_rows(Tensor(a!)[] caches, int[] src, int dst) -> ()");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv) -> Tensor[]");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor");
 }
@@ -1001,4 +1063,5 @@ TORCH_LIBRARY_IMPL(entmtp_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_split", &rope_split);
   m.impl("attend", &attend);
+  m.impl("keep_rows", &keep_rows);
 }
