@@ -176,7 +176,7 @@ class EntropyBucketScheduler(Scheduler):
         self.bank, self.edges, self.table = dict(trees), list(edges), table
         self.draft_edges = list(draft_edges) if draft_edges else None
         self.needs_draft = self.draft_edges is not None
-        self.needs_root = bool(self.edges) or not self.needs_draft  # skip signals the table ignores
+        self.needs_root = bool(self.edges)  # skip signals the table ignores (a one-bucket bank: a static tree)
         self.meta = meta or {}
         names = [n for row in table for n in (row if isinstance(row, list) else [row])]
         missing = sorted(set(names) - set(self.bank))
