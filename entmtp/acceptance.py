@@ -24,6 +24,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from .kernels import first_argmax
 from .trees import Tree
 
 
@@ -99,11 +100,13 @@ def _walk(tree: Tree, tokens: list[int], emit) -> Acceptance:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim. On CPU, bf16/fp16 argmax is not vectorised (2x slower than
-    converting to fp32 first; exact, since the conversion is lossless)."""
+    """argmax over the last dim. On CPU, aten's argmax is not vectorised: bf16/fp16 logits are
+    converted to fp32 first (exact, the conversion is lossless) and go through entmtp's
+    `first_argmax` op where it is loaded (the same indices at ~a tenth of the cost)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return logits.argmax(-1)
+    fast = first_argmax(logits)
+    return fast if fast is not None else logits.argmax(-1)
 
 
 class GreedyRule:

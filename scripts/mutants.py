@@ -111,6 +111,9 @@ MUTANTS = (
            "entmtp/csrc/bf16_panels.cpp", "qv[g] = _mm256_loadu_ps(qr[g] + d);", "qv[g] = _mm256_loadu_ps(qr[0] + d);",
            ("tests/test_kernels.py::test_attend_gives_each_query_head_the_bits_it_has_alone",
             "tests/test_kernels.py::test_attend_is_the_attention_and_each_row_its_own")),
+    Mutant("argmax_last_tie", "greedy acceptance's argmax takes the last of tied maxima, not the first",
+           "entmtp/csrc/bf16_panels.cpp", "at = t + __builtin_ctz(bits);", "at = t + 31 - __builtin_clz(bits);",
+           ("tests/test_kernels.py::test_first_argmax_gives_torch_argmax_indices",)),
 )
 
 

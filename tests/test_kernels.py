@@ -810,6 +810,44 @@ def test_attend_gives_each_query_head_the_bits_it_has_alone(group):
 
 
 @needs_panels
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 33), (8, 8195), (17, 7)])
+def test_first_argmax_gives_torch_argmax_indices(rows, vocab):
+    """Greedy acceptance's argmax on entmtp's op: torch's indices on every row -- ties to the first
+    maximum (also across the op's four accumulators and its 8-wide tail), a NaN as the maximum,
+    rows of -inf and of signed zeros -- for any leading shape; None where it cannot run."""
+    kernels._panels_unavailable()  # loads the library if the suite has not yet
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    x[0, vocab // 3] = x[0, vocab - 1] = 50.0  # tie: the first one, past the vectorised head
+    if rows > 1:
+        x[-1, 2] = x[-1, 5] = 60.0  # tie inside one 8-wide block
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2] = 0.0
+        x[2, vocab // 2] = -0.0
+    if rows > 3:
+        x[3, vocab - 2] = x[3, vocab - 1] = float("nan")
+        x[4, 1] = 100.0  # a maximum inside the first 8-wide block of a later accumulator
+    got = kernels.first_argmax(x)
+    assert got is not None and got.dtype == torch.long
+    assert torch.equal(got, x.argmax(-1))
+    assert torch.equal(kernels.first_argmax(x[None]), x.argmax(-1)[None])  # leading dims kept
+    assert int(kernels.first_argmax(x[0])) == int(x[0].argmax())
+    from entmtp.acceptance import argmax
+    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
+    assert kernels.first_argmax(x.double()) is None and kernels.first_argmax(x.bfloat16()) is None
+
+
+def test_first_argmax_steps_aside_when_the_library_is_off(monkeypatch):
+    monkeypatch.setenv("ENTMTP_PANELS", "0")
+    x = torch.randn(2, 40)
+    assert kernels.first_argmax(x) is None
+    from entmtp.acceptance import argmax
+    assert torch.equal(argmax(x), x.argmax(-1))
+
+
+@needs_panels
 def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, monkeypatch):
     from entmtp.heads import FusedPrefixLayer, HeadRunner, PrefixState
 
