@@ -2,7 +2,11 @@
 verification and bookkeeping, with tau and the verify rows, on a few bench prompts (greedy, the
 tuned trees and kernels this machine's engine chose). No asserts.
 
-    python scripts/step_breakdown.py [--dtype bfloat16] [--methods baseline,medusa,hydra,hydra++,entmtp] [--n 3]
+Methods run interleaved, prompt by prompt and repeat by repeat (the method order rotated each
+time), so that a shared machine's drift in speed hits every method alike: run one method after
+another and the plain loop can look 25% faster or slower than it is beside the trees.
+
+    python scripts/step_breakdown.py [--dtype bfloat16] [--methods baseline,medusa,hydra,hydra++,entmtp] [--n 3] [--repeats 2]
 """
 
 import argparse
@@ -19,30 +23,42 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="baseline,medusa,hydra,hydra++,entmtp")
     ap.add_argument("--n", type=int, default=3, help="prompts")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every (method, prompt), interleaved")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     a = ap.parse_args()
+    if a.n < 1 or a.repeats < 1:
+        ap.error("--n and --repeats must be at least 1")
     methods = parse_methods(a.methods)
     engine = load_engine_for(ModelOptions(dtype=a.dtype), methods)
     _, prompts = load_bench_prompts(BenchConfig(per_category=1))
     ids = [i for _, i in encode_prompts(engine, prompts[: a.n])]
+    runners = {m: make_runner(engine, m, a.max_new_tokens, progress=None) for m in methods}
+    for run in runners.values():
+        run(ids[0])  # warm-up
+    steps = {m: [] for m in methods}
+    total = {m: 0.0 for m in methods}
+    tokens = {m: 0 for m in methods}
+    turn = 0
+    for _ in range(a.repeats):
+        for i in ids:
+            order = methods[turn % len(methods):] + methods[:turn % len(methods)]
+            turn += 1
+            for m in order:
+                r = runners[m](i).result
+                steps[m] += r.steps
+                tokens[m] += len(r.tokens)
+                total[m] += r.time_total
     print("| method | tokens/s | tau | rows a step | schedule ms | draft ms | verify ms | bookkeeping ms | step ms | ms a token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in methods:
-        run = make_runner(engine, m, a.max_new_tokens, progress=None)
-        run(ids[0])  # warm-up
-        steps, tokens, total = [], 0, 0.0
-        for i in ids:
-            r = run(i).result
-            steps += r.steps
-            tokens += len(r.tokens)
-            total += r.time_total
-        n = len(steps)
-        mean = lambda k: sum(getattr(s, k) for s in steps) / n * 1e3
-        rows = sum(s.n_nodes for s in steps) / n
-        step = sum(s.time_total for s in steps) / n * 1e3
-        print(f"| {m} | {tokens / total:.1f} | {sum(len(s.emitted) for s in steps) / n:.2f} | {rows:.1f} | "
+        st = steps[m]
+        n = len(st)
+        emitted = sum(len(s.emitted) for s in st)
+        mean = lambda k: sum(getattr(s, k) for s in st) / n * 1e3  # noqa: E731
+        step = sum(s.time_total for s in st) / n * 1e3
+        print(f"| {m} | {tokens[m] / total[m]:.1f} | {emitted / n:.2f} | {sum(s.n_nodes for s in st) / n:.1f} | "
               f"{mean('time_schedule'):.2f} | {mean('time_draft'):.2f} | {mean('time_verify'):.2f} | "
-              f"{mean('time_bookkeeping'):.2f} | {step:.2f} | {step * n / sum(len(s.emitted) for s in steps):.2f} |")
+              f"{mean('time_bookkeeping'):.2f} | {step:.2f} | {step * n / emitted:.2f} |")
     return 0
 
 
