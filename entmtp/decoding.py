@@ -291,7 +291,7 @@ class Generation:
             self._t_first_level = time.perf_counter() - t
             sig.draft_entropy, sig.draft_top1 = _entropy_prob(lg, int(lg.argmax()))
         if s.needs_context:
-            sig.context = DraftContext(self.runner, self.feature, root_t)
+            sig.context = DraftContext(self.runner, self.feature, root_t, with_stats=self.config.trace == "full")
         d = s.choose(sig)
         reason = {"scheduler": s.name, "tree": d.tree.name, **d.reason}
         if s.needs_root or s.needs_draft:

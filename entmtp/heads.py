@@ -41,6 +41,8 @@ from .kernels import can_pack, kernel_options, pack_panels, packed_twin, shared_
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
+MAX_CACHED_TREES = 4096  # dynamic tree shapes a caller's cache keeps before it starts again
+
 
 @dataclass
 class HeadsConfig:
@@ -798,13 +800,19 @@ class HeadRunner:
 
     @torch.no_grad()
     def grow(self, feature: torch.Tensor, root: torch.Tensor, depth: int, topk: int, beam: int,
-             budget: int) -> tuple[Tree, Draft]:
+             budget: int, with_stats: bool = True, trees: Optional[dict] = None) -> tuple[Tree, Draft]:
         """EAGLE-2 style dynamic tree from this step's head outputs.
 
         Per depth, the `beam` best nodes by cumulative draft log-probability are expanded
         with their `topk` children; the `budget` best nodes overall form the tree (a child's
         cumulative log-probability never exceeds its parent's, so the choice is prefix-closed).
-        Returns the tree and its draft (tokens, probabilities, entropies in canonical order).
+        For the same reason only nodes that rank above the `budget`-th best node drafted so far
+        are expanded, and drafting stops at a level with none: no other node's descendants could
+        enter the tree.
+        Returns the tree and its draft (tokens and probabilities in canonical order; entropies
+        of the heads' distributions only `with_stats`). trees: a cache of the trees grown so far
+        by their node set (the caller's), so that a shape seen before keeps its verification
+        buffers instead of building them again each step.
         """
         D = min(depth, self.config.num_heads)
         eagle = self.compute.eagle is not None
@@ -814,22 +822,36 @@ class HeadRunner:
         else:
             rows = torch.cat([feature, self.embed_tokens(root.view(1))[0].to(feature.dtype)])[None] if per_node else feature[None]
         parents: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
-        cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, prob, entropy)
+        cand: dict[tuple[int, ...], tuple[float, int, float, float]] = {}  # path -> (score, token, log-prob, entropy)
+        nan = float("nan")
         for d in range(1, D + 1):
             logits = self.head_logits(d - 1, rows)  # [R, Vd] (R = 1 for Medusa)
-            lp = torch.log_softmax(logits.float(), -1)
-            ent = (-(lp.exp() * lp).sum(-1)).tolist()
-            top = torch.topk(lp, topk, dim=-1)
-            vals, toks = top.values.tolist(), self._map(top.indices).tolist()
+            top = torch.topk(logits, topk, dim=-1)  # the order of the log-probabilities, one pass fewer
+            high = top.values[:, :1].float()  # each row's maximum: log-sum-exp without a pass to find it
+            shifted = logits.float() - high
+            lse = high + shifted.exp().sum(-1, keepdim=True).log()  # [R, 1]
+            vals, toks = (top.values.float() - lse).tolist(), self._map(top.indices).tolist()
+            if with_stats:
+                lp = shifted - (lse - high)
+                ent = (-(lp.exp() * lp).sum(-1)).tolist()
+            else:
+                ent = [nan] * len(vals)
             level = []
             for i, (path, score) in enumerate(parents):
                 r = i if per_node else 0
                 for j in range(topk):
                     q = path + (j,)
-                    cand[q] = (score + vals[r][j], toks[r][j], math.exp(vals[r][j]), ent[r])
+                    cand[q] = (score + vals[r][j], toks[r][j], vals[r][j], ent[r])
                     level.append((q, score + vals[r][j], i, toks[r][j]))
             level.sort(key=lambda x: -x[1])
-            keep = level[:beam]
+            # a child scores no more than its parent and ranks after it on a tie, so a node at or
+            # below the `budget`-th best drafted so far has no descendant that could enter the
+            # tree: only the nodes above it are expanded, and none is drafted past the level
+            # where no node is
+            bar = sorted(v[0] for v in cand.values())[-budget] if len(cand) >= budget else -math.inf
+            keep = [x for x in level[:beam] if x[1] > bar]
+            if not keep:
+                break
             if d < D and per_node:
                 sel = torch.tensor([x[2] for x in keep], device=rows.device)
                 tok = torch.tensor([x[3] for x in keep], device=rows.device)
@@ -845,11 +867,18 @@ class HeadRunner:
                 break
             if all(q[:k] in chosen for k in range(1, len(q))):
                 chosen.add(q)
-        tree = Tree.from_paths([list(q) for q in chosen], f"dynamic-{len(chosen)}")
+        key = frozenset(chosen)
+        tree = trees.get(key) if trees is not None else None
+        if tree is None:
+            tree = Tree.from_paths([list(q) for q in chosen], f"dynamic-{len(chosen)}")
+            if trees is not None:
+                if len(trees) >= MAX_CACHED_TREES:
+                    trees.clear()
+                trees[key] = tree
         order = tree.paths
         tokens = torch.tensor([int(root)] + [cand[q][1] for q in order], device=self.device)
-        probs = torch.tensor([float("nan")] + [cand[q][2] for q in order], device=self.device)
-        ents = torch.tensor([float("nan")] + [cand[q][3] for q in order], device=self.device)
+        probs = torch.tensor([nan] + [math.exp(cand[q][2]) for q in order], device=self.device)
+        ents = torch.tensor([nan] + [cand[q][3] for q in order], device=self.device) if with_stats else None
         return tree, Draft(tokens, probs, ents)
 
     @torch.no_grad()

@@ -46,11 +46,13 @@ class StepSignals:
 
 @dataclass
 class DraftContext:
-    """What a drafting scheduler needs: the heads and this step's head feature and root."""
+    """What a drafting scheduler needs: the heads and this step's head feature and root, and
+    whether the step's trace records the draft's statistics (entropies)."""
 
     runner: Any
     feature: torch.Tensor
     root: torch.Tensor
+    with_stats: bool = True
 
 
 @dataclass
@@ -235,7 +237,15 @@ class DynamicScheduler(Scheduler):
     needs_context = True
 
     def __init__(self, budget: int = 32, depth: int = 4, topk: int = 8, beam: int = 8):
-        self.budget, self.depth, self.topk, self.beam = budget, depth, topk, beam
+        if min(budget, depth, topk, beam) < 1:
+            raise ValueError("a dynamic tree needs budget, depth, topk and beam of at least 1")
+        # A tree of `budget` nodes is never deeper than `budget`, never has more than `budget`
+        # children under one node, and never holds more than `budget` nodes of one level, so
+        # larger values only draft what can never be chosen (a CPU's 3-node budget with the
+        # heads' 5 levels and 8 x 8 expansions drafted 5 levels of 8 rows a step).
+        self.budget = budget
+        self.depth, self.topk, self.beam = min(depth, budget), min(topk, budget), min(beam, budget)
+        self._grown: dict = {}  # trees grown so far by node set: a shape seen again keeps its buffers
         self.tree = Tree.chain(depth)  # the deepest shape it can produce (for depth checks)
 
     @property
@@ -244,7 +254,8 @@ class DynamicScheduler(Scheduler):
 
     def choose(self, s: StepSignals) -> Decision:
         ctx: DraftContext = s.context
-        tree, draft = ctx.runner.grow(ctx.feature, ctx.root, self.depth, self.topk, self.beam, self.budget)
+        tree, draft = ctx.runner.grow(ctx.feature, ctx.root, self.depth, self.topk, self.beam, self.budget,
+                                      with_stats=ctx.with_stats, trees=self._grown)
         return Decision(tree, {"nodes": tree.n_nodes, "depth": tree.depth}, draft=draft)
 
 

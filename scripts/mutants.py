@@ -114,6 +114,10 @@ MUTANTS = (
     Mutant("argmax_last_tie", "greedy acceptance's argmax takes the last of tied maxima, not the first",
            "entmtp/csrc/bf16_panels.cpp", "at = t + __builtin_ctz(bits);", "at = t + 31 - __builtin_clz(bits);",
            ("tests/test_kernels.py::test_first_argmax_gives_torch_argmax_indices",)),
+    Mutant("dynamic_stops_early", "a dynamic tree expands only the nodes above its best node, not above the "
+           "budget-th best: deeper nodes that belong in the tree are never drafted",
+           "entmtp/heads.py", "sorted(v[0] for v in cand.values())[-budget]", "sorted(v[0] for v in cand.values())[-1]",
+           ("tests/test_scheduler.py::test_dynamic_tree_is_the_best_budget_nodes_of_the_full_expansion",)),
 )
 
 

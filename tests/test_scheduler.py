@@ -120,6 +120,62 @@ def test_dynamic_tree_respects_budget_and_depth(engine):
             assert s.draft_probs[1] == s.draft_probs[1]  # drafted with statistics (not NaN)
 
 
+@pytest.mark.parametrize("heads", ["hydra", "medusa", "hydra++"])
+@pytest.mark.parametrize("budget", [1, 2, 4, 7])
+def test_dynamic_tree_is_the_best_budget_nodes_of_the_full_expansion(engine, heads, budget, monkeypatch):
+    # the scheduler's caps (depth, topk, beam <= budget) and grow's early stop only skip drafts
+    # that could never be chosen: the tree is the `budget` best nodes of every path to depth 3.
+    # Sharpened logits (x25): random heads are near-uniform, and deeper nodes must compete with
+    # shallower ones for the check to mean anything.
+    runner = engine.runners[heads]
+    real = type(runner).head_logits
+    monkeypatch.setattr(type(runner), "head_logits", lambda self, k, x: real(self, k, x) * 25)
+    g = torch.Generator().manual_seed(budget)
+    feature = torch.randn(runner.config.hidden_size, generator=g).to(runner.dtype)
+    root = torch.tensor(3)
+    full, draft = runner.grow(feature, root, depth=3, topk=3, beam=9, budget=39)
+    assert full.n_nodes == 39
+    logp = {tuple(p): float(torch.log(draft.probs[1 + i])) for i, p in enumerate(full.paths)}
+    score = {p: sum(logp[p[:k]] for k in range(1, len(p) + 1)) for p in logp}
+    token = {tuple(p): int(draft.tokens[1 + i]) for i, p in enumerate(full.paths)}
+    best = sorted(score, key=lambda p: (-score[p], len(p), p))[:budget]
+    assert budget < 7 or max(map(len, best)) == 3  # the deepest level competes too
+    s = DynamicScheduler(budget=budget, depth=3, topk=3, beam=9)
+    assert (s.depth, s.topk, s.beam) == (min(3, budget), min(3, budget), min(9, budget))
+    tree, d = runner.grow(feature, root, s.depth, s.topk, s.beam, s.budget)
+    assert sorted(map(tuple, tree.paths)) == sorted(best)
+    assert [int(t) for t in d.tokens[1:]] == [token[tuple(p)] for p in tree.paths]
+
+
+def test_dynamic_growth_stops_where_no_deeper_node_can_enter(engine, monkeypatch):
+    # near-uniform random heads: every first-level node outscores every second-level one, so
+    # with a budget of 3 the tree is the top 3 first tokens and the third level is never drafted
+    runner = engine.runners["hydra"]
+    levels = []
+    real = type(runner).head_logits
+    monkeypatch.setattr(type(runner), "head_logits", lambda self, k, x: levels.append(k) or real(self, k, x))
+    s = DynamicScheduler(budget=3, depth=4, topk=4, beam=4)
+    assert (s.depth, s.topk, s.beam) == (3, 3, 3)
+    tree, _ = runner.grow(torch.randn(runner.config.hidden_size).to(runner.dtype), torch.tensor(3),
+                          s.depth, s.topk, s.beam, s.budget)
+    assert sorted(map(list, tree.paths)) == [[0], [1], [2]] and levels == [0, 1]
+    with pytest.raises(ValueError, match="at least 1"):
+        DynamicScheduler(budget=0)
+
+
+def test_dynamic_tree_reuses_shapes_and_computes_entropies_only_when_asked(engine):
+    runner = engine.runners["hydra++"]
+    feature, root, cache = torch.randn(runner.config.hidden_size).to(runner.dtype), torch.tensor(3), {}
+    a, da = runner.grow(feature, root, 3, 3, 3, 5, with_stats=False, trees=cache)
+    b, db = runner.grow(feature, root, 3, 3, 3, 5, with_stats=True, trees=cache)
+    assert b is a and list(cache.values()) == [a]  # the same shape: the same Tree, its buffers kept
+    assert da.entropies is None and torch.equal(da.tokens, db.tokens) and torch.equal(da.probs[1:], db.probs[1:])
+    assert (db.entropies[1:] > 0).all() and (db.probs[1:] > 0).all() and (db.probs[1:] <= 1).all()
+    r = engine.run([3, 4, 5], heads="hydra", scheduler=DynamicScheduler(budget=4, depth=3),
+                   config=DecodeConfig(max_new_tokens=12, eos_token_ids=()))
+    assert all(s.draft_entropies is None for s in r.steps)  # a light trace records none
+
+
 def test_dynamic_budget_defaults_to_the_static_trees_nodes(engine):
     d = make_scheduler("dynamic", engine=engine, heads="hydra", tree=resolve_tree("binary_2x2"))
     assert d.budget == resolve_tree("binary_2x2").n_nodes
