@@ -41,7 +41,7 @@ from .kernels import can_pack, kernel_options, pack_panels, packed_twin, shared_
 from .trees import Tree
 from .hardware import fast_bf16_matmul
 
-MAX_CACHED_TREES = 4096  # dynamic tree shapes a caller's cache keeps before it starts again
+MAX_CACHED_TREES = 512  # dynamic tree shapes a caller's cache keeps before it starts again (each holds its buffers)
 
 
 @dataclass
