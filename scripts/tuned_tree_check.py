@@ -1,8 +1,9 @@
 """Does the tree `entmtp tune` chose beat its neighbours on this machine? Races the tuned tree of
 one head kind against hand-made trees of 3-12 nodes and our plain loop, on the bench prompts,
 interleaved prompt by prompt (the order rotated each prompt, so a shared machine's drift hits every
-tree alike); greedy, no prompt lookup. Prints tokens/s, the ratio to our plain loop and tau per
-tree. No asserts: a check of the tuner's latency model against decoding itself.
+tree alike; `search.evaluate_trees`); greedy, no prompt lookup. Prints tokens/s (step time, prefill
+excluded), the ratio to our plain loop, tau and identity per tree. No asserts: a check of the
+tuner's latency model against decoding itself.
 
     python scripts/tuned_tree_check.py [--heads hydra] [--dtype bfloat16] [--per-category 2] [--max-new-tokens 96]
 """
@@ -12,9 +13,9 @@ import argparse
 import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
 
 from entmtp.bench import BenchConfig, load_bench_prompts  # noqa: E402
-from entmtp.calibrate import encode_prompts  # noqa: E402
-from entmtp.methods import ModelOptions, load_engine_for, make_runner  # noqa: E402
+from entmtp.methods import ModelOptions, default_tree, load_engine_for  # noqa: E402
 from entmtp.paths import HEAD_KINDS  # noqa: E402
+from entmtp.search import evaluate_trees  # noqa: E402
 from entmtp.trees import Tree  # noqa: E402
 
 # rank paths: top-k children of the root, then of the likeliest nodes, by depth
@@ -39,32 +40,18 @@ def main() -> int:
         ap.error("--per-category and --max-new-tokens must be at least 1")
     engine = load_engine_for(ModelOptions(dtype=a.dtype), ["baseline", a.heads])
     _, prompts = load_bench_prompts(BenchConfig(per_category=a.per_category))
-    ids = [i for _, i in encode_prompts(engine, prompts)]
-    runners = {"plain loop": make_runner(engine, "baseline", a.max_new_tokens, progress=None),
-               "tuned": make_runner(engine, a.heads, a.max_new_tokens, lookup=0, progress=None)}
-    for name, paths in NEIGHBOURS.items():
-        runners[name] = make_runner(engine, a.heads, a.max_new_tokens, tree=Tree.from_paths(paths, name), lookup=0,
-                                    progress=None)
-    for run in runners.values():
-        run(ids[0])  # warm-up
-    names = list(runners)
-    tokens = dict.fromkeys(names, 0)
-    seconds = dict.fromkeys(names, 0.0)
-    forwards = dict.fromkeys(names, 0)
-    for j, i in enumerate(ids):
-        for name in names[j % len(names):] + names[:j % len(names)]:
-            out = runners[name](i)
-            tokens[name] += len(out.tokens)
-            seconds[name] += out.result.time_total
-            forwards[name] += out.forwards
-    plain = tokens["plain loop"] / seconds["plain loop"]
-    print(f"{a.heads}, {a.dtype}, {len(ids)} bench prompts, {a.max_new_tokens} new tokens; tuned: "
-          f"{runners['tuned'].label}\n")
-    print("| tree | tokens/s | x plain loop | tau |")
-    print("|---|---:|---:|---:|")
-    for name in names:
-        tps = tokens[name] / seconds[name]
-        print(f"| {name} | {tps:.1f} | {tps / plain:.2f}x | {tokens[name] / forwards[name]:.2f} |")
+    tuned = default_tree(engine, a.heads, progress=None)
+    trees = [Tree(tuned.paths, f"tuned ({tuned.name})")] + [Tree.from_paths(p, n) for n, p in NEIGHBOURS.items()]
+    # every tree and plain decoding on every prompt, the order rotated per prompt (`search.evaluate_trees`)
+    res = evaluate_trees(engine, a.heads, trees, prompts, max_new_tokens=a.max_new_tokens)
+    plain = res[-1].tokens_per_s
+    print(f"{a.heads}, {a.dtype}, {len(prompts)} bench prompts, {a.max_new_tokens} new tokens\n")
+    print("| tree | tokens/s | x plain loop | tau | identical to plain loop |")
+    print("|---|---:|---:|---:|---|")
+    for m in res:
+        same = "" if m.identical_to_baseline is None else ("yes" if m.identical_to_baseline else "NO")
+        print(f"| {'plain loop' if m.tree is None else m.name} | {m.tokens_per_s:.1f} | {m.tokens_per_s / plain:.2f}x | "
+              f"{m.tau:.2f} | {same} |")
     return 0
 
 
