@@ -246,7 +246,7 @@ class DynamicScheduler(Scheduler):
         self.budget = budget
         self.depth, self.topk, self.beam = min(depth, budget), min(topk, budget), min(beam, budget)
         self._grown: dict = {}  # trees grown so far by node set: a shape seen again keeps its buffers
-        self.tree = Tree.chain(depth)  # the deepest shape it can produce (for depth checks)
+        self.tree = Tree.chain(self.depth)  # the deepest shape it can produce (for depth checks)
 
     @property
     def trees(self) -> list[Tree]:
