@@ -318,6 +318,7 @@ def test_panel_kernel_is_the_exact_product_up_to_rounding(n, k, bias):
         assert ((y32 - exact).abs() <= slack + 1e-6 * exact.abs()).all()
         y16 = torch.ops.entmtp_cpu.bf16_panels_linear(x, panels, n, b, False)
         assert y16.dtype == torch.bfloat16
+        assert torch.equal(y16, y32.to(torch.bfloat16))  # its own rounding is torch's, bit for bit
         assert ((y16.float() - exact).abs() <= 2 ** -8 * exact.abs() + 2 * slack).all()
 
 
@@ -362,6 +363,8 @@ def _panels_rows_check(x, packed, w, b, tol):
     assert ((y.double() - exact).abs() <= tol * exact.abs().max()).all(), x.shape
     alone = torch.cat([torch.ops.entmtp_cpu.bf16_panels_linear(x[i:i + 1], packed, n, b, True) for i in range(len(x))])
     assert torch.equal(alone, y), x.shape
+    # the bf16 output is these sums rounded as torch rounds them, bit for bit
+    assert torch.equal(torch.ops.entmtp_cpu.bf16_panels_linear(x, packed, n, b, False), y.to(torch.bfloat16)), x.shape
     return y
 
 
@@ -466,10 +469,10 @@ def test_panel_linear_rows_and_shapes(shape):
 
 
 @needs_panels
-@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 7, 48), (300, 48)])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 7, 48), (300, 48), (3, 53)])  # 53: a tail past 8-lane blocks
 def test_fused_rms_norm_is_the_llama_norm_up_to_rounding(shape):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    norm = LlamaRMSNorm(48, eps=1e-5).to(torch.bfloat16)
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
     assert kernels.FusedRMSNorm.fits(norm)
@@ -638,9 +641,10 @@ def _rope_reference(x, cos, sin):
 
 
 @needs_panels
-def test_rope_split_is_the_rotary_embedding_of_each_head():
+@pytest.mark.parametrize("B, d", [(1, 8), (2, 24), (1, 64)])  # d/2 of 4 and 12: lanes one at a time (in part)
+def test_rope_split_is_the_rotary_embedding_of_each_head(B, d):
     g = torch.Generator().manual_seed(0)
-    B, q, H, Hkv, d = 1, 5, 6, 2, 8
+    q, H, Hkv = 5, 6, 2
     qkv = torch.randn(B, q, (H + 2 * Hkv) * d, generator=g)
     cos, sin = torch.randn(B, q, d, generator=g).bfloat16(), torch.randn(B, q, d, generator=g).bfloat16()
     qs, ks, vs = torch.ops.entmtp_cpu.rope_split(qkv, cos, sin, H, Hkv)
@@ -649,6 +653,12 @@ def test_rope_split_is_the_rotary_embedding_of_each_head():
     torch.testing.assert_close(qs.double(), _rope_reference(heads[:, :H], cos, sin))
     torch.testing.assert_close(ks.double(), _rope_reference(heads[:, H:H + Hkv], cos, sin))
     assert torch.equal(vs, heads[:, H + Hkv:])
+    # bf16 angles are read as they are: the same bits as their float32 values
+    for a, b in zip(torch.ops.entmtp_cpu.rope_split(qkv, cos.float(), sin.float(), H, Hkv), (qs, ks, vs)):
+        assert torch.equal(a, b)
+    # every row alone: a row's q and k do not depend on the rows beside it
+    one = torch.ops.entmtp_cpu.rope_split(qkv[:, 2:3].contiguous(), cos[:, 2:3], sin[:, 2:3], H, Hkv)
+    assert torch.equal(one[0], qs[:, :, 2:3]) and torch.equal(one[1], ks[:, :, 2:3])
     with pytest.raises(RuntimeError, match="rope_split: qkv must be a float32 CPU tensor"):
         torch.ops.entmtp_cpu.rope_split(qkv.bfloat16(), cos, sin, H, Hkv)
     with pytest.raises(RuntimeError, match="cos and sin must be"):

@@ -97,6 +97,34 @@ at::Tensor bf16_pack_panels(const at::Tensor& w_, int64_t cols, bool pairs, bool
   return pack_columns<uint16_t>(w_.contiguous(), cols, [cols](int64_t j) -> int64_t { return cols == kCols ? kSlot[j] : j; });
 }
 
+// 8 fp32 -> 8 bf16, rounded to nearest even as at::BFloat16(float) rounds (NaN -> 0x7FC0)
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 8 bf16 -> 8 fp32 (exact)
+inline __m256 bf16_widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// y [M, n] fp32 -> bf16 in one pass, the same bits as y.to(bfloat16) for every non-NaN value
+// (aten's conversion is a separate op: an allocation and a dispatch a linear, ~5 us at 8 rows)
+at::Tensor round_bf16(const at::Tensor& y) {
+  at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
+  const float* src = y.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, y.numel(), 65536, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16_round8(_mm256_loadu_ps(src + i)));
+    for (; i < i1; ++i) dst[i] = at::BFloat16(src[i]).x;
+  });
+  return out;
+}
+
 // one packed k-row (16 bf16) -> columns 0-7 and 8-15 as fp32
 inline void widen(const uint16_t* row, __m256& lo, __m256& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
@@ -590,7 +618,7 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
     shape.back() = n;
     at::Tensor y = tiles_linear(x_.reshape({-1, x_.size(-1)}), panels, n);
     if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return (out_float ? y : y.to(at::kBFloat16)).view(shape);
+    return (out_float ? y : round_bf16(y)).view(shape);
   }
   const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kWideCols;
   TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols || pairs) &&
@@ -620,7 +648,7 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
                     static_cast<int>(std::min<int64_t>(kWideCols, n - p * kWideCols)));
     });
     if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return (out_float ? y : y.to(at::kBFloat16)).view(shape);
+    return (out_float ? y : round_bf16(y)).view(shape);
   }
   const at::Tensor x = x_.reshape({-1, x_.size(-1)}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
@@ -632,7 +660,7 @@ at::Tensor bf16_panels_linear(const at::Tensor& x_, const at::Tensor& panels, in
   float* yp = y.data_ptr<float>();
   fma_panels_product(xp, M, K, wp, P, cols, yp, n);
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  return (out_float ? y : y.to(at::kBFloat16)).view(out_shape);
+  return (out_float ? y : round_bf16(y)).view(out_shape);
 }
 
 // ---- float32 weights: the same panels without the widening ----------------------------------
@@ -773,42 +801,68 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   return y;
 }
 
+// 8 values of a cos or sin row as fp32 (bf16 widened exactly)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) { return bf16_widen8(reinterpret_cast<const uint16_t*>(p)); }
+
+// one row's q and k heads rotated and split, v copied. The arithmetic is what gcc made of
+//   out[i] = x[i] c[i] - x[i+D2] s[i],  out[i+D2] = x[i+D2] c[i+D2] + x[i] s[i+D2]
+// (the second product rounded, the first fused into it), 8 lanes at a time where d/2 allows
+template <typename T>
+void rope_row(const float* x, const T* cr, const T* sr, int64_t H, int64_t Hkv, int64_t D, int64_t Q, int64_t t,
+              float* qp, float* kp, float* vp) {
+  const int64_t D2 = D / 2;
+  for (int64_t h = 0; h < H + Hkv; ++h) {
+    const float* xh = x + h * D;
+    float* out = h < H ? qp + (h * Q + t) * D : kp + ((h - H) * Q + t) * D;
+    int64_t i = 0;
+    if (D2 % 8 == 0) {
+      for (; i < D2; i += 8) {
+        const __m256 x1 = _mm256_loadu_ps(xh + i), x2 = _mm256_loadu_ps(xh + i + D2);
+        _mm256_storeu_ps(out + i, _mm256_fmsub_ps(x1, load8(cr + i), _mm256_mul_ps(x2, load8(sr + i))));
+        _mm256_storeu_ps(out + i + D2, _mm256_fmadd_ps(x2, load8(cr + i + D2), _mm256_mul_ps(x1, load8(sr + i + D2))));
+      }
+    }
+    for (; i < D2; ++i) {
+      const float c1 = static_cast<float>(cr[i]), s1 = static_cast<float>(sr[i]);
+      const float c2 = static_cast<float>(cr[i + D2]), s2 = static_cast<float>(sr[i + D2]);
+      out[i] = std::fma(xh[i], c1, -(xh[i + D2] * s1));
+      out[i + D2] = std::fma(xh[i + D2], c2, xh[i] * s2);
+    }
+  }
+  for (int64_t h = 0; h < Hkv; ++h) std::copy_n(x + (H + Hkv + h) * D, D, vp + (h * Q + t) * D);
+}
+
 // q, k, v [B, heads, q, d] fp32 from one fused projection qkv [B, q, (H + 2 Hkv) d] fp32, with the
-// rotary embedding (rotate-half convention: x * cos + rotate_half(x) * sin) applied to q and k
+// rotary embedding (rotate-half convention: x * cos + rotate_half(x) * sin) applied to q and k;
+// cos and sin [B, q, d] bf16 or fp32, read as they are (a bf16 model's come in bf16)
 std::vector<at::Tensor> rope_split(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
                                    int64_t H, int64_t Hkv) {
   TORCH_CHECK(qkv_.dim() == 3 && qkv_.scalar_type() == at::kFloat && qkv_.device().is_cpu() && H > 0 && Hkv > 0 &&
                   qkv_.size(2) % (H + 2 * Hkv) == 0 && (qkv_.size(2) / (H + 2 * Hkv)) % 2 == 0,
               "rope_split: qkv must be a float32 CPU tensor [B, q, (H + 2 Hkv) d] with an even d");
-  const int64_t B = qkv_.size(0), Q = qkv_.size(1), D = qkv_.size(2) / (H + 2 * Hkv), D2 = D / 2;
+  const int64_t B = qkv_.size(0), Q = qkv_.size(1), D = qkv_.size(2) / (H + 2 * Hkv);
   TORCH_CHECK(cos_.dim() == 3 && cos_.sizes() == sin_.sizes() && cos_.size(0) == B && cos_.size(1) == Q &&
                   cos_.size(2) == D,
               "rope_split: cos and sin must be [B, q, d] like the projection");
   const at::Tensor qkv = qkv_.contiguous();
-  const at::Tensor c = cos_.to(at::kFloat).contiguous(), s = sin_.to(at::kFloat).contiguous();
+  const bool bf16 = cos_.scalar_type() == at::kBFloat16 && sin_.scalar_type() == at::kBFloat16;
+  const at::Tensor c = bf16 ? cos_.contiguous() : cos_.to(at::kFloat).contiguous();
+  const at::Tensor s = bf16 ? sin_.contiguous() : sin_.to(at::kFloat).contiguous();
   at::Tensor q = at::empty({B, H, Q, D}, qkv.options());
   at::Tensor k = at::empty({B, Hkv, Q, D}, qkv.options());
   at::Tensor v = at::empty({B, Hkv, Q, D}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  const float* xp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Q; ++t) {
       const float* x = xp + (b * Q + t) * (H + 2 * Hkv) * D;
-      const float* cr = cp + (b * Q + t) * D;
-      const float* sr = sp + (b * Q + t) * D;
-      for (int64_t h = 0; h < H + Hkv; ++h) {
-        const float* xh = x + h * D;
-        float* out = h < H ? qp + ((b * H + h) * Q + t) * D : kp + ((b * Hkv + h - H) * Q + t) * D;
-        for (int64_t i = 0; i < D2; ++i) {
-          out[i] = xh[i] * cr[i] - xh[i + D2] * sr[i];
-          out[i + D2] = xh[i + D2] * cr[i + D2] + xh[i] * sr[i + D2];
-        }
-      }
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const float* xh = x + (H + Hkv + h) * D;
-        float* out = vp + ((b * Hkv + h) * Q + t) * D;
-        for (int64_t i = 0; i < D; ++i) out[i] = xh[i];
-      }
+      float *qb = qp + b * H * Q * D, *kb = kp + b * Hkv * Q * D, *vb = vp + b * Hkv * Q * D;
+      const int64_t row = (b * Q + t) * D;
+      if (bf16)
+        rope_row(x, c.data_ptr<at::BFloat16>() + row, s.data_ptr<at::BFloat16>() + row, H, Hkv, D, Q, t, qb, kb, vb);
+      else
+        rope_row(x, c.data_ptr<float>() + row, s.data_ptr<float>() + row, H, Hkv, D, Q, t, qb, kb, vb);
     }
   return {q, k, v};
 }
