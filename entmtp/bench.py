@@ -29,6 +29,7 @@ import torch
 
 from .data import PromptSet, bundled_prompts, load_prompts, render_prompt
 from .hardware import hardware_class, synchronize
+from .interleave import rotated
 from .methods import HYDRA_FAMILY, METHODS, Runner, fit_stock_threads, make_runner, method_heads, method_lookup, parse_methods
 from .models import describe_model
 from .scheduler import recorded_default
@@ -129,7 +130,7 @@ def run_bench(engine, prompts, cfg: BenchConfig, progress: Optional[Callable[[st
         fit_stock_threads(runners[m], rendered[0][2][:64])
     runs: list[Run] = []
     for i, (pid, cat, ids) in enumerate(rendered):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        order = rotated(methods, i)
         for rep in range(cfg.repeats):
             for m in order:
                 synchronize(engine.device)

@@ -70,6 +70,7 @@ from .calibrate import (MAX_BUDGET, MAX_NEW_TOKENS, MAX_PROMPTS, MAX_UNION_NODES
                         expand_by_value, load_or_measure_latency, machine_info, read_stats_json, union_tree)
 from .bank import fit_entropy_bank
 from .data import DataError, Prompt, PromptSet, bundled_prompts, load_prompts, split_prompts
+from .interleave import rotated
 from .models import describe_model
 from .trees import Path_, Tree, TreeError, resolve_tree
 
@@ -473,11 +474,7 @@ def evaluate_trees(engine, heads: str, trees: Sequence[Tree], prompts: Sequence[
     done = 0
     progress("held-out", 0, total)
     for i, (pid, ids) in enumerate(encoded):
-        order = list(range(len(entries)))
-        if order:
-            k = i % len(order)
-            order = order[k:] + order[:k]
-        for j in order:
+        for j in rotated(range(len(entries)), i):
             t, m = entries[j], res[j]
             r = engine.run(ids, heads=heads if t is not None else None, tree=t,
                            config=spec.decode_config(max_new_tokens, seed=spec.prompt_seed(pid)))

@@ -17,6 +17,7 @@ import gradio as gr
 
 from . import viz
 from .hardware import synchronize
+from .interleave import rotated
 from .ui_common import (CACHE, MAX_MESSAGE_CHARS, RACE_MAX_NEW_TOKENS, AppError, _error_md, _notice_md,
                         check_model_key, error_message, method_status, registry)
 
@@ -204,7 +205,7 @@ def race(prompt, model_key, max_new_tokens, repeats=1):
         texts: dict[str, str] = {}
         total = n_rep * len(plan)
         for rep in range(n_rep):
-            order = plan[rep % len(plan):] + plan[: rep % len(plan)]
+            order = rotated(plan, rep)
             for m in order:
                 done = sum(len(v) for v in runs.values())
                 yield skip, skip, skip, f"<div>run {done + 1} of {total}: {html.escape(runners[m].label)}…</div>"

@@ -15,6 +15,7 @@ import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads
 
 from entmtp.bench import BenchConfig, load_bench_prompts  # noqa: E402
 from entmtp.calibrate import encode_prompts  # noqa: E402
+from entmtp.interleave import rotated  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for, make_runner, parse_methods  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def main() -> int:
     turn = 0
     for _ in range(a.repeats):
         for i in ids:
-            order = methods[turn % len(methods):] + methods[:turn % len(methods)]
+            order = rotated(methods, turn)
             turn += 1
             for m in order:
                 r = runners[m](i).result

@@ -175,3 +175,15 @@ def test_headline_spread_over_repeats():
     # two repeats are too few for a spread
     two = summarize(_runs({m: v[:2] for m, v in tps.items()}), list(tps))["headline"]
     assert "spread" not in two and spread([1.0, 2.0]) is None
+
+
+def test_interleaved_rounds_rotate_every_competitor_through_every_position():
+    from entmtp.interleave import rotated
+    items = ["hf", "baseline", "hydra"]
+    rounds = [rotated(items, t) for t in range(6)]
+    assert rounds[0] == items and rounds[1] == ["baseline", "hydra", "hf"] and rounds[3] == items
+    for r in rounds:
+        assert sorted(r) == sorted(items)  # each round runs everyone once
+    for pos in range(len(items)):  # over len(items) rounds each competitor takes each position once
+        assert sorted(r[pos] for r in rounds[:3]) == sorted(items)
+    assert rotated(range(4), 6) == [2, 3, 0, 1] and rotated([], 5) == []
