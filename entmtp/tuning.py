@@ -160,7 +160,7 @@ def profile_path(model) -> Path:
     return machine_dir(dev) / f"{key['architecture']}-{key['dtype']}-{dev.type}-{key['config']}.json"
 
 
-def _chain_mask(rows: int, past: int, dtype, device) -> Optional[torch.Tensor]:
+def chain_mask(rows: int, past: int, dtype, device) -> Optional[torch.Tensor]:
     """The additive mask of a chain-shaped tree of `rows` rows after `past` cached positions."""
     if rows == 1:
         return None
@@ -185,7 +185,7 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
     cache = decoding_cache(twin)
     forward(twin, rand(context), cache)
     past = context
-    inputs = {r: (rand(r), (past + torch.arange(r, device=dev))[None], _chain_mask(r, past, model.dtype, dev))
+    inputs = {r: (rand(r), (past + torch.arange(r, device=dev))[None], chain_mask(r, past, model.dtype, dev))
               for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
     # row counts interleaved, fastest of the repeats: a burst of load elsewhere on the machine then
@@ -202,7 +202,7 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
     trial.ms_by_rows = {r: min(ts) * 1e3 for r, ts in times.items()}
     for r in check_rows:
         ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
-        tree_logits, _ = forward(twin, ids, cache, mask=_chain_mask(r, past, model.dtype, dev), position_ids=pos)
+        tree_logits, _ = forward(twin, ids, cache, mask=chain_mask(r, past, model.dtype, dev), position_ids=pos)
         cache.crop(-r)
         one = [forward(twin, ids[:, i:i + 1], cache, position_ids=pos[:, i:i + 1])[0][0] for i in range(r)]
         cache.crop(-r)
@@ -359,5 +359,5 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
     return prof
 
 
-__all__ = ["KernelTrial", "KernelProfile", "model_key", "profile_path", "measure_set", "choose", "probe_kernels",
+__all__ = ["KernelTrial", "KernelProfile", "chain_mask", "model_key", "profile_path", "measure_set", "choose", "probe_kernels",
            "unmeasured_profile", "kernel_profile", "measure_threads", "choose_threads", "apply_threads"]

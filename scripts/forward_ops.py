@@ -19,14 +19,8 @@ import torch  # noqa: E402
 from entmtp.hardware import synchronize  # noqa: E402
 from entmtp.kvcache import decoding_cache  # noqa: E402
 from entmtp.models import load_engine  # noqa: E402
-from entmtp.verify import forward, tree_mask  # noqa: E402
-
-
-def chain_mask(rows: int, past: int, dtype) -> torch.Tensor | None:
-    """The additive mask of a chain of `rows` tree rows after `past` cached positions."""
-    if rows == 1:
-        return None
-    return tree_mask(torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype).triu(1), past)
+from entmtp.tuning import chain_mask  # noqa: E402
+from entmtp.verify import forward  # noqa: E402
 
 
 def main() -> int:
@@ -50,12 +44,13 @@ def main() -> int:
           f"after {a.context} cached tokens\n")
     g = torch.Generator().manual_seed(0)
     vocab = twin.get_input_embeddings().weight.shape[0]
-    rand = lambda n: torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g)  # noqa: E731
+    dev = twin.device
+    rand = lambda n: torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(dev)  # noqa: E731
     cache = decoding_cache(twin)
     stats = {}
     with torch.inference_mode():
         forward(twin, rand(a.context), cache)
-        inputs = {r: (rand(r), (a.context + torch.arange(r))[None], chain_mask(r, a.context, dtype)) for r in rows}
+        inputs = {r: (rand(r), (a.context + torch.arange(r, device=dev))[None], chain_mask(r, a.context, dtype, dev)) for r in rows}
         profs = {r: torch.profiler.profile(acc_events=True) for r in rows}
         wall = {r: 0.0 for r in rows}
         for k in range(a.forwards + 3):  # 3 untimed rounds first; row counts interleaved
@@ -65,7 +60,7 @@ def main() -> int:
                     profs[r].start()
                 t = time.perf_counter()
                 forward(twin, ids, cache, mask=mask, position_ids=pos)
-                synchronize(twin.device)
+                synchronize(dev)
                 if timed:
                     wall[r] += time.perf_counter() - t
                     profs[r].stop()
