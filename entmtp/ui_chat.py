@@ -228,7 +228,8 @@ def chat(message, history, model_key, method, tree_name, sched_name, temperature
             return
         wall = time.perf_counter() - t0
         res = gen.result
-        stopped = "stopped by you (partial reply)" if run.stop.is_set() else ""
+        # a stop that lands after the last step ends nothing: the reply is whole and keeps its own reason
+        stopped = "stopped by you (partial reply)" if run.stop.is_set() and not gen.done else ""
         reply = (gen.final_text() if gen.done else gen.text.rstrip("\ufffd")) or "(empty reply)"
         history[-1] = {"role": "assistant", "content": reply}
         state["steps"] = steps

@@ -401,6 +401,32 @@ def test_a_cleared_reply_ends_with_the_empty_chat(server):
     assert not ui_chat.RUNS.signal(request.session_hash, "cleared", wait_s=0)
 
 
+def test_a_stop_after_the_last_step_keeps_the_replys_own_end(server, monkeypatch):
+    """Stop pressed mid-reply ends it early as "stopped by you"; pressed after the last step it
+    ends nothing, so the reply keeps its own stop reason (driven in-process so the order is fixed)."""
+    from types import SimpleNamespace
+
+    from entmtp import ui_chat
+
+    monkeypatch.setattr(ui_chat, "STREAM_EVERY_S", float("inf"))  # stream only the last step
+    request = SimpleNamespace(session_hash=f"late-stop-{os.getpid()}")
+    reply = ui_chat.chat(*chat_args("one two three four", method="baseline", max_new=16), request=request)
+    updates = [next(reply), next(reply)]  # start, last step
+    assert all("generating" in u[5] for u in updates)
+    assert ui_chat.RUNS.signal(request.session_hash, "stopped", wait_s=0)
+    *rest, last = list(reply)
+    assert rest == []
+    stats = last[5]
+    assert "stop:" in stats and "stopped by you" not in stats and "generating" not in stats
+
+    monkeypatch.setattr(ui_chat, "STREAM_EVERY_S", 0.0)  # stream every step
+    early = ui_chat.chat(*chat_args("one two three four", method="baseline", max_new=16), request=request)
+    next(early), next(early)  # start, first step
+    assert ui_chat.RUNS.signal(request.session_hash, "stopped", wait_s=0)
+    stats = list(early)[-1][5]
+    assert "stopped by you" in stats and int(re.search(r"(?<![\d.])(\d+) tokens(?!/)", stats).group(1)) < 16
+
+
 def test_eight_concurrent_chats_do_not_mix(server):
     url = server[0]
     prompts = [f"{w} world, how are you" for w in ("hello", "the cat", "paris", "one two", "what is", "three four",
