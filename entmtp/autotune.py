@@ -35,11 +35,55 @@ from .trees import Tree
 from .tuning import machine_dir, model_key
 
 ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
-TREES_FORMAT = "entmtp-tuned-trees/2"  # /2: the prompt-lookup choice
+TREES_FORMAT = "entmtp-tuned-trees/3"  # /2: the prompt-lookup choice; /3: a tree for long contexts
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SHORT_CONTEXT = 96  # cached tokens the trees are first timed after
+LONG_CONTEXT = 1536  # ... and timed again after, for a tree that pays in long contexts (capped at a quarter of the model's)
 CUDA_SIZES = CPU_SIZES + (48, 64, 96, 128)
 LOOKUP_LENGTH = 4  # tokens of the prompt-lookup branch a method with heads grafts (methods.py: entmtp)
 LOOKUP_MIN_NGRAMS = (1, 2, 3)  # the shortest matched n-gram grafted, the choices `choose_lookup` scores
+
+
+@dataclass
+class LongContextTrees:
+    """The tree (and entropy bank) for long contexts: a tree's extra rows attend to every cached
+    token, so where rows cost arithmetic (a CPU) the tree that pays shrinks as the context grows.
+    Chosen with step latencies timed after `context` cached tokens; decoding switches to it from
+    `from_tokens` cached tokens on (`scheduler.ContextSwitch`), where the two trees' predicted
+    tokens/s cross, each tree's step time taken as linear in the context between the two timings."""
+
+    from_tokens: int
+    context: int
+    tree: Tree
+    predicted_tau: float
+    predicted_speedup: float  # at `context` cached tokens, over plain decoding there
+    short_tree_speedup: float  # the short-context tree's, at `context` cached tokens
+    latency: LatencyModel
+    bank: Optional[EntropyBucketScheduler] = None
+
+    def to_json(self) -> dict:
+        return {"from_tokens": self.from_tokens, "context": self.context, "tree": [list(p) for p in self.tree.paths],
+                "tree_name": self.tree.name, "predicted_tau": self.predicted_tau,
+                "predicted_speedup": self.predicted_speedup, "short_tree_speedup": self.short_tree_speedup,
+                "latency": self.latency.to_json(), "bank": self.bank.to_json() if self.bank is not None else None}
+
+    @staticmethod
+    def from_json(d: dict) -> "LongContextTrees":
+        return LongContextTrees(int(d["from_tokens"]), int(d["context"]), Tree.from_paths(d["tree"], d["tree_name"]),
+                                float(d["predicted_tau"]), float(d["predicted_speedup"]), float(d["short_tree_speedup"]),
+                                LatencyModel.from_json(d["latency"]), _bank_from_json(d.get("bank")))
+
+    def summary(self) -> str:
+        return (f"from {self.from_tokens} cached tokens {self.tree.name} ({self.tree.n_nodes} nodes, depth "
+                f"{self.tree.depth}): {self.predicted_speedup:.2f}x plain decoding after {self.context} tokens, "
+                f"where the short-context tree predicts {self.short_tree_speedup:.2f}x")
+
+
+def _bank_from_json(b: Optional[dict]) -> Optional[EntropyBucketScheduler]:
+    if not b:
+        return None
+    return EntropyBucketScheduler({n: Tree.from_paths(p, n) for n, p in b["trees"].items()}, b["edges"], b["table"],
+                                  b.get("draft_edges"), b.get("meta"))
 
 
 @dataclass
@@ -60,6 +104,7 @@ class TunedTrees:
     # in the statistics), and the predicted speedup over plain decoding of each choice ("off", "1", ...)
     lookup_min_ngram: Optional[int] = None
     lookup_speedups: dict = field(default_factory=dict)
+    long: Optional[LongContextTrees] = None  # None: the same tree pays at every context measured
 
     def to_json(self) -> dict:
         return {"format": TREES_FORMAT, "heads": self.heads, "tree": [list(p) for p in self.tree.paths],
@@ -67,26 +112,24 @@ class TunedTrees:
                 "predicted_speedup": self.predicted_speedup, "latency": self.latency.to_json(),
                 "bank": self.bank.to_json() if self.bank is not None else None, "bank_speedup": self.bank_speedup,
                 "why": self.why, "stats_steps": self.stats_steps, "meta": self.meta,
-                "lookup_min_ngram": self.lookup_min_ngram, "lookup_speedups": self.lookup_speedups}
+                "lookup_min_ngram": self.lookup_min_ngram, "lookup_speedups": self.lookup_speedups,
+                "long": self.long.to_json() if self.long is not None else None}
 
     @staticmethod
     def from_json(d: dict) -> "TunedTrees":
         if d.get("format") != TREES_FORMAT:
             raise ValueError("not an entmtp tuned-trees file")
-        bank = None
-        if d.get("bank"):
-            b = d["bank"]
-            bank = EntropyBucketScheduler({n: Tree.from_paths(p, n) for n, p in b["trees"].items()}, b["edges"],
-                                          b["table"], b.get("draft_edges"), b.get("meta"))
         return TunedTrees(d["heads"], Tree.from_paths(d["tree"], d.get("tree_name", "tuned")), float(d["predicted_tau"]),
-                          float(d["predicted_speedup"]), LatencyModel.from_json(d["latency"]), bank,
+                          float(d["predicted_speedup"]), LatencyModel.from_json(d["latency"]), _bank_from_json(d.get("bank")),
                           d.get("bank_speedup"), d.get("why", ""), int(d.get("stats_steps", 0)), d.get("meta") or {},
-                          d.get("lookup_min_ngram"), d.get("lookup_speedups") or {})
+                          d.get("lookup_min_ngram"), d.get("lookup_speedups") or {},
+                          LongContextTrees.from_json(d["long"]) if d.get("long") else None)
 
     def summary(self) -> str:
         bank = f"; entropy bank {self.bank_speedup:.2f}x" if self.bank_speedup else ""
+        long = f"; {self.long.summary()}" if self.long is not None else ""
         return (f"{self.heads}: {self.tree.name} ({self.tree.n_nodes} nodes, depth {self.tree.depth}), predicted tau "
-                f"{self.predicted_tau:.2f}, {self.predicted_speedup:.2f}x plain decoding{bank}")
+                f"{self.predicted_tau:.2f}, {self.predicted_speedup:.2f}x plain decoding{bank}{long}")
 
 
 def shipped_stats(runner) -> Optional[CalibrationStats]:
@@ -144,7 +187,7 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if progress:
         progress(f"tuning: step latency of {heads} trees on this machine")
     latency = measure_latency(engine, heads, max_nodes=max(sizes), sizes=sizes, depths=range(1, K + 1),
-                              repeats=repeats, context_tokens=96)
+                              repeats=repeats, context_tokens=SHORT_CONTEXT)
     cands = search_trees(stats, [max(sizes)], latency, depths=range(1, K + 1))
     best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
     tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}")
@@ -163,7 +206,56 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if choice is not None:
         out.lookup_min_ngram, out.lookup_speedups, note = choice
         out.why += f"; {note}"
+    context = min(LONG_CONTEXT, engine.max_context // 4)
+    if context >= 4 * SHORT_CONTEXT and tree.n_nodes > 1:
+        if progress:
+            progress(f"tuning: step latency of {heads} trees after {context} cached tokens")
+        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats)
+        out.why += f"; {note}"
     return out
+
+
+def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedTrees, context: int,
+                      repeats: int = 2) -> tuple[Optional[LongContextTrees], str]:
+    """Time trees no larger nor deeper than the short-context one after `context` cached tokens
+    (rows only get dearer as the context grows, so no larger tree can pay there) and choose the
+    best by the same scoring; (its `LongContextTrees`, why) where it beats the short-context tree
+    there, else (None, why)."""
+    size, depth = short.tree.n_nodes, short.tree.depth
+    sizes = [n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size]
+    latency = measure_latency(engine, heads, max_nodes=size, sizes=sizes, depths=range(1, depth + 1),
+                              repeats=repeats, context_tokens=context)
+    cands = search_trees(stats, [size], latency, depths=range(1, depth + 1))
+    best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
+    kept = latency.speedup(short.predicted_tau, size, depth)
+    if best.tree.key() == short.tree.key() or best.predicted_speedup <= kept:
+        return None, f"after {context} cached tokens the same tree still pays best ({kept:.2f}x plain decoding)"
+    tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}-long")
+    start = switch_point(short.predicted_tau, short.latency.cost(size, depth), latency.cost(size, depth),
+                         float(best.predicted_tau), short.latency.cost(best.n_nodes, best.depth),
+                         latency.cost(best.n_nodes, best.depth), SHORT_CONTEXT, context)
+    bank = None
+    if short.bank is not None and short.bank.edges:  # the bank paid: refit it with this context's step times
+        pool = sorted({c.tree.key(): c for c in cands if c.predicted_speedup > 0}.values(),
+                      key=lambda c: -c.predicted_tokens_per_s)[:24]
+        trees = [Tree(c.tree.paths, f"tuned-{heads}-n{c.n_nodes}-d{c.depth}-long") for c in pool]
+        bank, _, _ = choose_bank(stats, trees, tree, latency)
+    out = LongContextTrees(start, context, tree, float(best.predicted_tau), float(best.predicted_speedup), kept,
+                           latency, bank)
+    return out, f"long contexts: {out.summary()}"
+
+
+def switch_point(tau_a: float, cost_a0: float, cost_a1: float, tau_b: float, cost_b0: float, cost_b1: float,
+                 c0: int, c1: int) -> int:
+    """The context (cached tokens, in [c0, c1]) from which tree b predicts at least tree a's
+    tokens/s, each tree's step time linear in the context between its timings at c0 and c1
+    (attention over the cache is linear in it): the root of tau_b * cost_a(c) - tau_a * cost_b(c)."""
+    f0, f1 = tau_b * cost_a0 - tau_a * cost_b0, tau_b * cost_a1 - tau_a * cost_b1
+    if f0 >= 0:
+        return c0
+    if f1 <= 0:
+        return c1
+    return int(round(c0 + (c1 - c0) * -f0 / (f1 - f0)))
 
 
 def lookup_speedup(stats: CalibrationStats, tree: Tree, latency: LatencyModel, length: int, min_ngram: int) -> float:
@@ -270,11 +362,12 @@ def bank_file(engine, heads: str) -> Optional[Path]:
         return None
     path = trees_path(engine, heads).with_suffix(".bank.json")
     if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         t.bank.save(path)
     return path
 
 
-__all__ = ["ACCEPTANCE_FILE", "LOOKUP_LENGTH", "TunedTrees", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
+__all__ = ["ACCEPTANCE_FILE", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:
@@ -298,6 +391,11 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
                               "predicted_speedup": round(t.predicted_speedup, 3), "bank_speedup": t.bank_speedup,
                               "plain_step_ms": round(t.latency.baseline_s * 1e3, 2), "step_ms_by_nodes_depth1": curve,
                               "lookup_min_ngram": t.lookup_min_ngram, "lookup_speedups": t.lookup_speedups,
+                              "long_context": None if t.long is None else {
+                                  "from_tokens": t.long.from_tokens, "context": t.long.context, "tree": t.long.tree.name,
+                                  "nodes": t.long.tree.n_nodes, "depth": t.long.tree.depth,
+                                  "predicted_speedup": round(t.long.predicted_speedup, 3),
+                                  "short_tree_speedup": round(t.long.short_tree_speedup, 3)},
                               "why": t.why}
     return out
 
@@ -331,7 +429,16 @@ def format_profile(p: dict) -> str:
                 f"; prompt lookup of {LOOKUP_LENGTH} tokens after matches of >= {look}")
         lines.append(f"{name}: tree {h['nodes']} nodes, depth {h['depth']}, predicted tau {h['predicted_tau']:.2f}, "
                      f"{h['predicted_speedup']:.2f}x plain decoding{bank}{look} -- {h['why']}")
+        if h.get("long_context"):
+            lines.append(f"{name}, long contexts: {long_context_words(h['long_context'])}")
     return "\n".join(x for x in lines if x is not None)
 
 
-__all__ += ["machine_profile", "format_profile"]
+def long_context_words(lc: dict) -> str:
+    """`machine_profile`'s long-context entry of one heads, in words."""
+    return (f"from {lc['from_tokens']} cached tokens a tree of {lc['nodes']} nodes, depth {lc['depth']}: "
+            f"{lc['predicted_speedup']:.2f}x plain decoding after {lc['context']} tokens, where the first tree "
+            f"predicts {lc['short_tree_speedup']:.2f}x")
+
+
+__all__ += ["machine_profile", "format_profile", "long_context_words"]

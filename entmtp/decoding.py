@@ -281,7 +281,7 @@ class Generation:
         if self.runner is None or self.scheduler is None:
             return ROOT_ONLY, None, None
         s = self.scheduler
-        sig = StepSignals(step=len(self.steps), history=tuple(st.accept_length for st in self.steps[-16:]))
+        sig = StepSignals(step=len(self.steps), history=tuple(st.accept_length for st in self.steps[-16:]), past=self.past)
         root_t = torch.tensor(self.root, device=self.device)
         if s.needs_root:
             sig.root_entropy, sig.root_prob = _entropy_prob(self.root_logits, self.root)

@@ -199,11 +199,26 @@ def build_scheduler(engine, heads: str, method: str = "hydra", *, tree: Optional
     default: tuned on this machine, else the bank the heads record)."""
     t = resolve_tree(tree) if tree else default_tree(engine, heads, progress)
     name = scheduler or get_method(method).scheduler or "static"
+    long = None
+    if tree is None and bank is None and name in ("static", "entropy", "dynamic"):
+        tuned = tuned_trees(engine, heads, progress=progress)
+        long = tuned.long if tuned is not None else None
     if name == "static":
-        return sched.Scheduler(t)
-    if bank is None and name == "entropy":
-        bank = bank_file(engine, heads)
-    return sched.make_scheduler(name, engine=engine, heads=heads, tree=t, bank=bank)
+        policy = sched.Scheduler(t)
+    else:
+        policy = sched.make_scheduler(name, engine=engine, heads=heads, tree=t,
+                                      bank=bank_file(engine, heads) if bank is None and name == "entropy" else bank)
+    if long is None:
+        return policy
+    # from the tuned switch on, the tree (bank, dynamic budget) tuned for long contexts
+    lt = long.tree.truncated(engine.runners[heads].config.num_heads)
+    if name == "static":
+        other = sched.Scheduler(lt)
+    elif name == "entropy":
+        other = long.bank or sched.EntropyBucketScheduler({lt.name: lt}, [], [lt.name], meta={"fit": "long contexts"})
+    else:
+        other = sched.make_scheduler(name, engine=engine, heads=heads, tree=lt)
+    return sched.ContextSwitch(policy, other, long.from_tokens)
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -307,7 +322,13 @@ class Runner:
         s = self.scheduler
         if s is None:
             return self.method.label
-        what = s.trees[0].name if type(s) is sched.Scheduler and len(s.trees) == 1 else f"{s.name} scheduler"
+
+        def policy(p: sched.Scheduler) -> str:
+            return p.trees[0].name if type(p) is sched.Scheduler and len(p.trees) == 1 else f"{p.name} scheduler"
+
+        what = policy(s)
+        if isinstance(s, sched.ContextSwitch):
+            what = f"{policy(s.short)}, from {s.from_tokens} cached tokens {policy(s.long)}"
         extra = " + prompt lookup" if self.config is not None and self.config.lookup and self.method.name != "lookup" else ""
         return f"{self.method.label} · {what}{extra}"
 

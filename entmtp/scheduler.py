@@ -41,6 +41,7 @@ class StepSignals:
     draft_entropy: float = float("nan")  # first draft head's entropy at the root (this step)
     draft_top1: float = float("nan")  # first draft head's top-1 probability at the root
     history: tuple[int, ...] = ()  # accepted lengths of the previous steps (most recent last)
+    past: int = 0  # tokens in the cache (prompt and emitted) before this step
     context: Any = field(default=None, repr=False)  # DraftContext for schedulers that draft
 
 
@@ -92,6 +93,39 @@ class Scheduler:
 
 
 StaticScheduler = Scheduler
+
+
+class ContextSwitch(Scheduler):
+    """`short` below `from_tokens` cached tokens, `long` from there on. A tree's extra rows attend
+    to every cached token, so where rows cost arithmetic (a CPU) a smaller tree pays once the
+    context is long (`autotune.tune_long_context` times both and sets the switch)."""
+
+    def __init__(self, short: Scheduler, long: Scheduler, from_tokens: int):
+        if from_tokens < 0:
+            raise ValueError("a context switch needs from_tokens >= 0")
+        self.short, self.long, self.from_tokens = short, long, int(from_tokens)
+        self.name = short.name
+        self.needs_root = short.needs_root or long.needs_root
+        self.needs_draft = short.needs_draft or long.needs_draft
+        self.needs_context = short.needs_context or long.needs_context
+        self.tree = short.tree
+
+    @property
+    def trees(self) -> list[Tree]:
+        return self.short.trees + self.long.trees
+
+    def fresh(self) -> "ContextSwitch":
+        return ContextSwitch(self.short.fresh(), self.long.fresh(), self.from_tokens)
+
+    def choose(self, s: StepSignals) -> Decision:
+        long = s.past >= self.from_tokens
+        d = (self.long if long else self.short).choose(s)
+        d.reason = {**d.reason, "context": f"{'long' if long else 'short'} (switch at {self.from_tokens} tokens)"}
+        return d
+
+    def update(self, accepted_length: int) -> None:
+        self.short.update(accepted_length)
+        self.long.update(accepted_length)
 
 
 def _signal(s: StepSignals, name: str) -> float:

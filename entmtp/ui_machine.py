@@ -14,6 +14,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from . import viz
+from .autotune import long_context_words
 from .ui_common import CACHE, _error_md, check_model_key, error_message, machine_profile_of, tuning_off
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -107,6 +108,8 @@ def profile_html(profile: dict, dtype_why: str = "") -> str:
         lines.append(f"<b>{e(name)} tree</b>: {e(h['tree'])} — {h['nodes']} nodes, depth {h['depth']}, predicted "
                      f"τ {h['predicted_tau']:.2f}, {h['predicted_speedup']:.2f}× plain decoding{bank}; plain step "
                      f"{h['plain_step_ms']:.1f} ms. Why: {e(h['why'])}")
+        if h.get("long_context"):
+            lines.append(f"<b>{e(name)} tree, long contexts</b>: {e(long_context_words(h['long_context']))}")
     return '<div class="entmtp-model">' + "<br>".join(lines) + "</div>" + kernel_table(profile)
 
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import random_heads, tiny_model
 from entmtp.decoding import DecodeConfig, Engine
-from entmtp.scheduler import (DynamicScheduler, EntropyBucketScheduler, HysteresisScheduler, LadderScheduler,
-                              Scheduler, StepSignals, load_bank, make_scheduler)
+from entmtp.scheduler import (ContextSwitch, DynamicScheduler, EntropyBucketScheduler, HysteresisScheduler,
+                              LadderScheduler, Scheduler, StepSignals, load_bank, make_scheduler)
 from entmtp.trees import Tree, TreeError, resolve_tree
 
 VOCAB = 20
@@ -81,6 +81,7 @@ POLICIES = {
     "entropy2d": lambda: EntropyBucketScheduler({"a": Tree.chain(3), "b": resolve_tree("binary_2x2")}, [1.0],
                                                 [["a", "b"], ["b", "a"]], draft_edges=[2.0]),
     "dynamic": lambda: DynamicScheduler(budget=12, depth=4, topk=4, beam=4),
+    "by_context": lambda: ContextSwitch(Scheduler(resolve_tree("mc_sim_7b_63").truncated(4)), bank(), 9),
 }
 
 
@@ -109,6 +110,49 @@ def test_decisions_are_recorded_with_signals(engine):
     r = engine.run([3, 4, 5], heads="hydra", scheduler=one, config=DecodeConfig(max_new_tokens=20, eos_token_ids=()))
     steps = [s for s in r.steps if s.time_verify]
     assert steps and all("signals" not in s.scheduler and s.tree_name == "chain_2" for s in steps)
+
+
+def test_context_switch_follows_the_cache_length(engine):
+    """ContextSwitch: the short-context policy below `from_tokens` cached tokens, the long one from
+    there; both see every accepted length (stateful policies stay current); signals either needs
+    are computed; decoding passes the cache length and switches mid-generation, emitting exactly
+    the plain loop's tokens."""
+    a, b = Tree.chain(3), resolve_tree("binary_2x2")
+    seen = []
+
+    class Hyst(HysteresisScheduler):
+        def update(self, n):
+            seen.append(n)
+
+    sw = ContextSwitch(Scheduler(a), Hyst(Tree.chain(1), b, low=0.0, high=0.0), 10)
+    assert sw.needs_root and not sw.needs_context and sw.trees == [a, Tree.chain(1), b] and sw.max_depth == 3
+    assert sw.choose(StepSignals(0, root_prob=1.0, past=9)).tree == a
+    d = sw.choose(StepSignals(0, root_prob=1.0, past=10))
+    assert d.tree == b and d.reason["context"] == "long (switch at 10 tokens)"
+    sw.update(2)
+    assert seen == [2]
+    fresh = sw.fresh()
+    assert fresh is not sw and fresh.from_tokens == 10 and fresh.short.tree == a
+    with pytest.raises(ValueError):
+        ContextSwitch(Scheduler(a), Scheduler(b), -1)
+
+    prompt, n = [3, 4, 5, 6], 24
+    pasts = []
+
+    class Spy(Scheduler):
+        def choose(self, sig):
+            pasts.append(sig.past)
+            return super().choose(sig)
+
+    r = engine.run(prompt, heads="hydra", scheduler=ContextSwitch(Spy(a), Spy(b), 12),
+                   config=DecodeConfig(max_new_tokens=n, eos_token_ids=()))
+    assert r.tokens == hf_greedy(engine.model, prompt, n)
+    steps = [s for s in r.steps if s.time_verify]
+    assert pasts[0] == len(prompt)  # the prompt is cached; the first root is the prefill's next token
+    assert [q - p for p, q in zip(pasts, pasts[1:])] == [len(s.accepted) for s in steps[:-1]]
+    longs = [s.scheduler["context"].startswith("long") for s in steps]
+    assert longs == [p >= 12 for p in pasts] and True in longs and False in longs
+    assert all(s.tree_name == (b.name if long else a.name) for s, long in zip(steps, longs))
 
 
 def test_dynamic_tree_respects_budget_and_depth(engine):

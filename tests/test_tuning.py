@@ -235,3 +235,67 @@ def test_a_threads_override_during_the_probe_does_not_stand_in_for_the_measureme
     again = tuning.kernel_profile(model)
     assert again.threads in (1, 2) and set(again.threads_ms) == {1, 2}  # measured again, not read
     torch.set_num_threads(before)
+
+
+def test_switch_point_is_where_the_smaller_tree_starts_to_pay():
+    """Each tree's step time linear in the context between its two timings: the switch is where
+    tau / cost crosses, clamped to the measured range."""
+    # tree a: tau 2.0, 10 -> 20 ms from 100 to 1100 tokens; tree b: tau 1.5, 8 -> 12 ms
+    c = autotune.switch_point(2.0, 0.010, 0.020, 1.5, 0.008, 0.012, 100, 1100)
+    cost_a, cost_b = 0.010 + (c - 100) * 1e-5, 0.008 + (c - 100) * 4e-6
+    assert 100 < c < 1100 and 2.0 / cost_a == pytest.approx(1.5 / cost_b, rel=1e-3)
+    assert autotune.switch_point(2.0, 0.010, 0.011, 1.5, 0.008, 0.0085, 100, 1100) == 1100  # a pays throughout
+    assert autotune.switch_point(1.0, 0.010, 0.020, 1.5, 0.008, 0.012, 100, 1100) == 100  # b pays throughout
+
+
+def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
+    """Where a tree's rows cost more after a long context, tuning keeps a second tree for it (no
+    larger or deeper than the first), switched to where the two trees' predicted tokens/s cross; it
+    survives the cache file, shows in the machine profile, and `build_scheduler` switches to it."""
+    from entmtp import methods, scheduler
+    from entmtp.calibrate import LatencyModel
+
+    model = tiny_model("llama", vocab=20, seed=3, max_pos=4096)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 30 % 20], [7, 7, 7, 2, 3, 4]], max_new_tokens=40, max_rank=8)
+    timed = []
+
+    def fake_latency(engine, heads, *, max_nodes, sizes, depths, repeats, context_tokens, **kw):
+        timed.append((context_tokens, max(sizes), max(depths)))
+        per_row = 1e-5 if context_tokens <= autotune.SHORT_CONTEXT else 8e-3  # rows nearly free, then dear
+        return LatencyModel(0.01, {d: [(n, 0.01 + 1e-4 * d + per_row * n) for n in sizes] for d in depths})
+
+    monkeypatch.setattr(autotune, "measure_latency", fake_latency)
+    tuned = autotune.tune_trees(eng, "hydra", stats=stats, repeats=1)
+    long = tuned.long
+    assert long is not None, tuned.why
+    assert timed[1] == (long.context, tuned.tree.n_nodes, tuned.tree.depth)  # no larger or deeper than the first
+    assert long.context == min(autotune.LONG_CONTEXT, eng.max_context // 4)
+    assert long.tree.n_nodes < tuned.tree.n_nodes and long.predicted_speedup > long.short_tree_speedup
+    assert long.from_tokens == autotune.switch_point(
+        tuned.predicted_tau, tuned.latency.cost(tuned.tree.n_nodes, tuned.tree.depth),
+        long.latency.cost(tuned.tree.n_nodes, tuned.tree.depth), long.predicted_tau,
+        tuned.latency.cost(long.tree.n_nodes, long.tree.depth), long.latency.cost(long.tree.n_nodes, long.tree.depth),
+        autotune.SHORT_CONTEXT, long.context)
+    assert "long contexts" in tuned.why
+    back = autotune.TunedTrees.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert back.long.tree.paths == long.tree.paths and back.long.from_tokens == long.from_tokens
+    assert back.long.latency.cost(2, 1) == pytest.approx(long.latency.cost(2, 1))
+
+    monkeypatch.setattr(methods, "tuned_trees", lambda engine, heads, progress=None: tuned)
+    monkeypatch.setattr(autotune, "tuned_trees", lambda engine, heads, progress=None: tuned)
+    for name in ("static", "entropy", "dynamic"):
+        policy = methods.build_scheduler(eng, "hydra", scheduler=name, progress=None)
+        assert isinstance(policy, scheduler.ContextSwitch) and policy.from_tokens == long.from_tokens, name
+    static = methods.build_scheduler(eng, "hydra", scheduler="static", progress=None)
+    assert static.short.tree.paths == tuned.tree.paths and static.long.tree.paths == long.tree.paths
+    assert not isinstance(methods.build_scheduler(eng, "hydra", tree="chain_2", scheduler="static", progress=None),
+                          scheduler.ContextSwitch)  # a tree asked for is decoded as it is
+    lc = autotune.machine_profile(eng)["heads"]["hydra"]["long_context"]
+    assert lc["nodes"] == long.tree.n_nodes and lc["from_tokens"] == long.from_tokens
+    assert f"from {long.from_tokens} cached tokens" in autotune.format_profile(autotune.machine_profile(eng))
+
+    # the same step times after a long context: no second tree
+    monkeypatch.setattr(autotune, "measure_latency", lambda *a, **k: fake_latency(*a, **{**k, "context_tokens": 96}))
+    again, why = autotune.tune_long_context(eng, "hydra", stats, tuned, 1024, repeats=1)
+    assert again is None and "the same tree still pays best" in why
