@@ -142,7 +142,7 @@ def cmd_generate(args) -> int:
         print(json.dumps(d, ensure_ascii=False))
         return 0
     s = res.summary()
-    tree_desc = sched.trees[0].describe() if sched is not None and len(sched.trees) == 1 else (sched.name if sched else "none")
+    tree_desc = sched.describe() if sched is not None else "none"
     print()
     copied = ""
     if cfg.lookup:

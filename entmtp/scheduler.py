@@ -85,6 +85,11 @@ class Scheduler:
     def fresh(self) -> "Scheduler":
         return self
 
+    def describe(self) -> str:
+        """Its one tree described, else the policy's name."""
+        trees = self.trees
+        return trees[0].describe() if len(trees) == 1 else f"{self.name} scheduler"
+
     def choose(self, signals: StepSignals) -> Decision:
         return Decision(self.tree)
 
@@ -116,6 +121,9 @@ class ContextSwitch(Scheduler):
 
     def fresh(self) -> "ContextSwitch":
         return ContextSwitch(self.short.fresh(), self.long.fresh(), self.from_tokens)
+
+    def describe(self) -> str:
+        return f"{self.short.describe()}; from {self.from_tokens} cached tokens {self.long.describe()}"
 
     def choose(self, s: StepSignals) -> Decision:
         long = s.past >= self.from_tokens

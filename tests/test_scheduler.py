@@ -131,6 +131,7 @@ def test_context_switch_follows_the_cache_length(engine):
     assert d.tree == b and d.reason["context"] == "long (switch at 10 tokens)"
     sw.update(2)
     assert seen == [2]
+    assert sw.describe() == f"{a.describe()}; from 10 cached tokens hysteresis scheduler"
     fresh = sw.fresh()
     assert fresh is not sw and fresh.from_tokens == 10 and fresh.short.tree == a
     with pytest.raises(ValueError):
