@@ -215,7 +215,8 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
         if progress:
             progress(f"tuning: step latency of {heads} trees after {context} cached tokens")
         out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats)
-        out.why += f"; {note}"
+        if out.long is None:  # a long-context tree is shown on its own line (`long_context_words`)
+            out.why += f"; {note}"
     return out
 
 
