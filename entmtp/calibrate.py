@@ -71,8 +71,9 @@ STATS_FORMAT = "entmtp-calibration/1"
 LATENCY_FORMAT = "entmtp-latency/1"
 # How steps are timed (bump when `measure_latency` changes what it measures; older caches are
 # measured again): 2 = warm step before each timed one, context window, dense size grid;
-# 3 = plain steps interleaved with the rounds, fastest of the repeats.
-LATENCY_PROTOCOL = 3
+# 3 = plain steps interleaved with the rounds, fastest of the repeats; 4 = each tree as a ratio to
+# the plain steps timed around its generation, the median of the rounds.
+LATENCY_PROTOCOL = 4
 
 # Bounds on the expensive parameters (the app passes user input straight through).
 MAX_UNION_NODES = 512
@@ -1173,6 +1174,16 @@ def latency_cache_path(engine: Engine, heads: str) -> Path:
     return cache_dir() / "latency" / f"{model}-{_slug(key['device'])}-{key['dtype']}-{_slug(label)}-{tag}.json"
 
 
+def _trees_per_generation(engine: Engine, bank: list[Tree], ids: list[int]) -> int:
+    """How many trees of `bank` one measuring generation times (a warm and a timed step each) after
+    `ids`, within `LATENCY_WINDOW` tokens and the model's context."""
+    room = engine.max_context - len(ids) - max(t.size for t in bank) - 2
+    per_step = max(t.depth for t in bank) + 1  # most tokens one step adds
+    if room < 2 * per_step:
+        raise ValueError("the model's context is too short for the latency measurement")
+    return max(1, min(room, LATENCY_WINDOW) // (2 * per_step))
+
+
 class _Cycle(Scheduler):
     """Plays a fixed sequence of trees, one per step (the latency measurement)."""
 
@@ -1214,11 +1225,8 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
       generation would measure the later trees at ever longer contexts."""
     times: dict[int, list[float]] = {}
     todo = list(sequence)
-    room = engine.max_context - len(ids) - max(t.size for t in bank) - 2
+    n = _trees_per_generation(engine, bank, ids)
     per_step = max(t.depth for t in bank) + 1  # most tokens one step adds
-    if room < 2 * per_step:
-        raise ValueError("the model's context is too short for the latency measurement")
-    n = max(1, min(room, LATENCY_WINDOW) // (2 * per_step))  # trees per generation
     while todo:
         chunk, todo = todo[:n], todo[n:]
         plan = [j for j in chunk for _ in (0, 1)]  # (warm, timed) per tree
@@ -1252,10 +1260,11 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None) -> LatencyModel:
-    """Measure one decoding step's time (draft + verify + bookkeeping, fastest of `repeats`)
-    with the real engine and heads, for representative trees of every size in `sizes`
-    (default `size_grid`) at every depth in `depths` (default 1..num_heads), plus a root-only
-    (plain decoding) step. All trees run round-robin, on a context of `context_tokens` random
+    """Measure one decoding step's time (draft + verify + bookkeeping) with the real engine and
+    heads, for representative trees of every size in `sizes` (default `size_grid`) at every depth
+    in `depths` (default 1..num_heads), plus a root-only (plain decoding) step: each tree as the
+    median over `repeats` rounds of its step's ratio to plain steps timed around its generation,
+    times the fastest plain step. All trees run round-robin, on a context of `context_tokens` random
     tokens or the given `context_ids`, so drift in machine load hits every size alike; each
     timed step follows an untimed step of the same tree and each generation adds at most
     `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays)."""
@@ -1286,21 +1295,40 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         progress("latency", min(done[0], total), total)
 
     progress("latency", 0, total)
-    # rounds: every tree once per round and plain steps after each round, so load drift is shared;
-    # the fastest of the rounds per tree, so a burst of load elsewhere costs a sample, not a tree
-    times: dict[int, list[float]] = {}
+    # A shared machine's speed drifts by tens of percent within seconds (a 2-core cloud VM: trees
+    # timed in a fast second looked cheaper than plain steps timed in a slow one, and the search
+    # chose a 24-node tree that ran at 1.1x plain instead of the predicted 1.6x). So each tree is
+    # timed as a ratio to plain steps timed just before and just after its generation (about a
+    # second apart), the median ratio of the rounds kept; a step's cost is that ratio times the
+    # plain step (the fastest measured). Predicted speedups depend on the ratios alone.
+    plain = [Tree.from_paths([])]
+    per_gen = _trees_per_generation(engine, bank, ctx)
+    ratios: dict[int, list[float]] = {}
     base: list[float] = []
+
+    def plain_step() -> float:
+        ts = _cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None).get(0, [])
+        base.extend(ts)
+        return statistics.median(ts)
+
+    before = plain_step()
     for _ in range(repeats):
-        for j, ts in _cycle_times(engine, heads, bank, list(range(len(bank))), ctx, tick).items():
-            times.setdefault(j, []).extend(ts)
-        base += _cycle_times(engine, None, [Tree.from_paths([])], [0] * 3, ctx, tick).get(0, [])
+        order = list(range(len(bank)))
+        for c in range(0, len(order), per_gen):
+            times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick)
+            after = plain_step()
+            for j, ts in times.items():
+                ratios.setdefault(j, []).extend(t / ((before + after) / 2) for t in ts)
+            before = after
+        tick(3)
+    baseline = min(base) if base else float("nan")
     points = {d: [] for d in depths}
     for j, (n, d) in enumerate(jobs):
-        if times.get(j):
-            points[d].append((n, min(times[j])))
+        if ratios.get(j):
+            points[d].append((n, statistics.median(ratios[j]) * baseline))
     meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats,
             "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return LatencyModel(min(base) if base else float("nan"), points, meta)
+    return LatencyModel(baseline, points, meta)
 
 
 def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, remeasure: bool = False,

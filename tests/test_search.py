@@ -470,6 +470,39 @@ def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
     assert all(len(pts) == 4 - d + 1 for d, pts in lm.points.items())
 
 
+def test_latency_is_measured_against_plain_steps_around_each_generation(monkeypatch):
+    """On a machine whose speed drifts between generations (here: every generation 10% slower than
+    the one before), a tree's cost is its ratio to the plain steps timed around its generation, so
+    the model predicts each tree's true ratio to a plain step; timing the trees alone against plain
+    steps timed elsewhere would have made the later trees look dearer and the earlier ones cheaper."""
+    import entmtp.calibrate as cal
+
+    eng = engine3()
+    monkeypatch.setattr(cal, "LATENCY_WINDOW", 16)  # a few trees a generation: several generations a round
+    plain_s, calls = 0.02, []
+
+    def true_ratio(tree):
+        return 1.0 + 0.05 * tree.n_nodes + 0.1 * tree.depth
+
+    def drifting(engine, heads, bank, sequence, ids, progress):
+        speed = 1.0 + 0.1 * len(calls)  # seconds scale of this generation
+        calls.append(heads)
+        out = {}
+        for j in sequence:
+            out.setdefault(j, []).append(speed * plain_s * (1.0 if heads is None else true_ratio(bank[j])))
+        return out
+
+    monkeypatch.setattr(cal, "_cycle_times", drifting)
+    lm = cal.measure_latency(eng, "hydra", sizes=[1, 2, 3, 4], repeats=2, context_tokens=8)
+    assert calls.count("hydra") > 2 and calls[0] is None and calls[-1] is None
+    assert all(calls[i - 1] is None and calls[i + 1] is None for i, c in enumerate(calls) if c)  # plain around each
+    assert lm.baseline_s == pytest.approx(plain_s)  # the fastest plain steps
+    for d, pts in lm.points.items():
+        for n, cost in pts:
+            want = true_ratio(representative_tree(n, d)) * plain_s
+            assert cost == pytest.approx(want, rel=1e-9), (n, d)
+
+
 def test_latency_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path))
     eng = engine3()
