@@ -149,8 +149,21 @@ def test_tuned_trees_are_kept_per_cpu_thread_count(tuning_on):
 @pytest.mark.model
 def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
     """`entmtp tune` on the embedded model: every kernel set's latency by rows and invariance,
-    the choice, threads, and a tree per heads from the shipped statistics -- as text and JSON."""
-    env = {**__import__("os").environ, "ENTMTP_TUNE": "1", "HF_HUB_OFFLINE": "1"}
+    the choice, threads, and a tree per heads from the shipped statistics -- as text and JSON.
+    It measures into a cache of its own (never the user's profile: a tune taken while tests run is
+    not this machine's), which shares the user's built kernels and converted model."""
+    import os
+
+    from entmtp.paths import cache_dir
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    real = cache_dir()
+    for entry in (real.iterdir() if real.is_dir() else ()):
+        if entry.is_dir() and entry.name != "tuning":  # (lock files are made where they are used)
+            (cache / entry.name).symlink_to(entry)
+    env = {**os.environ, "ENTMTP_TUNE": "1", "HF_HUB_OFFLINE": "1", "ENTMTP_CACHE": str(cache)}
+    before = sorted((p, p.stat().st_mtime) for p in (real / "tuning").rglob("*")) if (real / "tuning").is_dir() else []
     cmd = [sys.executable, "-m", "entmtp", "tune", "--dtype", "bfloat16", "--methods", "medusa", "--json", "--refresh"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr
@@ -170,6 +183,8 @@ def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
     assert ("(governor)" in text.stdout) == bool(prof["threads_governed"] and prof["threads"])
     bad = subprocess.run(cmd[:4] + ["--methods", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "unknown method" in bad.stderr and "nope" in bad.stderr and "Traceback" not in bad.stderr
+    assert (cache / "tuning").is_dir()
+    assert before == (sorted((p, p.stat().st_mtime) for p in (real / "tuning").rglob("*")) if (real / "tuning").is_dir() else [])
 
 
 def test_gpu_check_script_runs_here_on_the_cpu(tmp_path):
