@@ -401,8 +401,28 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
                                   "nodes": t.long.tree.n_nodes, "depth": t.long.tree.depth,
                                   "predicted_speedup": round(t.long.predicted_speedup, 3),
                                   "short_tree_speedup": round(t.long.short_tree_speedup, 3)},
-                              "why": t.why}
+                              "why": t.why, "draft_lm": draft_lm_entry(engine.runners[name])}
     return out
+
+
+def draft_lm_entry(runner) -> Optional[dict]:
+    """How a heads' drafts score tokens through the shared lm_head slice: int8 or the kernels' own
+    dtype, with the timings that chose it (ms of a 1-row plus a 4-row call; None when forced or
+    too small to measure). None for heads with their own lm_heads."""
+    if runner.lm is None:
+        return None
+    ms = None if runner.lm_seconds is None else [round(s * 1e3, 3) for s in runner.lm_seconds]
+    return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms}
+
+
+def draft_lm_words(d: Optional[dict]) -> str:
+    """`draft_lm_entry` in words ("" for none)."""
+    if not d:
+        return ""
+    what = "int8" if d["int8"] else "the kernels' own dtype"
+    why = (f" ({d['ms'][1]:.2f} ms in int8 against {d['ms'][0]:.2f} ms for a 1-row and a 4-row call)"
+           if d.get("ms") else "")
+    return f"drafts score {d['rows']} tokens through the lm_head in {what}{why}"
 
 
 def format_profile(p: dict) -> str:
@@ -436,6 +456,8 @@ def format_profile(p: dict) -> str:
                      f"{h['predicted_speedup']:.2f}x plain decoding{bank}{look} -- {h['why']}")
         if h.get("long_context"):
             lines.append(f"{name}, long contexts: {long_context_words(h['long_context'])}")
+        if h.get("draft_lm"):
+            lines.append(f"{name}, drafting: {draft_lm_words(h['draft_lm'])}")
     return "\n".join(x for x in lines if x is not None)
 
 
@@ -446,4 +468,4 @@ def long_context_words(lc: dict) -> str:
             f"predicts {lc['short_tree_speedup']:.2f}x")
 
 
-__all__ += ["machine_profile", "format_profile", "long_context_words"]
+__all__ += ["machine_profile", "format_profile", "long_context_words", "draft_lm_entry", "draft_lm_words"]

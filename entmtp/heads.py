@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -37,9 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_sdpa
-from .kernels import can_pack, kernel_options, pack_panels, packed_twin, shared_linear
+from .kernels import (can_pack, int8_draft_layer, kernel_options, pack_panels, packed_twin, seconds_per_call,
+                      shared_linear)
 from .trees import Tree
-from .hardware import fast_bf16_matmul
+from .hardware import cpu_isa, fast_bf16_matmul
 
 MAX_CACHED_TREES = 512  # dynamic tree shapes a caller's cache keeps before it starts again (each holds its buffers)
 
@@ -589,6 +591,22 @@ class Draft:
     entropies: Optional[torch.Tensor] = None
 
 
+INT8_DRAFT_MIN_WEIGHTS = 1 << 20  # a smaller draft lm_head slice stays in the kernels' own dtype
+_DRAFT_LM_TIMINGS: dict[tuple, tuple[float, float]] = {}
+
+
+def draft_lm_timings(lm: nn.Module, int8: nn.Module, dtype: torch.dtype, kernels: str,
+                     rows: tuple[int, ...] = (1, 4)) -> tuple[float, float]:
+    """Seconds of a draft lm_head slice on its kernel set and as int8 panels, summed over inputs of
+    `rows` rows ([r, in] of `dtype`): measured once per shape, dtype and kernel set in a process."""
+    key = (int8.out_features, int8.in_features, dtype, kernels, cpu_isa())
+    if key not in _DRAFT_LM_TIMINGS:
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(r, int8.in_features, generator=g).to(dtype) for r in rows]
+        _DRAFT_LM_TIMINGS[key] = tuple(sum(seconds_per_call(layer, x) for x in xs) for layer in (lm, int8))
+    return _DRAFT_LM_TIMINGS[key]
+
+
 class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 
@@ -600,10 +618,14 @@ class HeadRunner:
     """
 
     def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", lm_int8: Optional[bool] = None):
         """kernels: "auto"/"packed" run the heads' linears prepacked on CPU where the probes pass
         (`entmtp.kernels`: bf16 drafts bit-identical to the stock ones, fp32 within rounding;
-        drafts are verified either way), "stock" never."""
+        drafts are verified either way), "stock" never.
+        lm_int8: score drafts through the shared lm_head slice quantised to int8 (`Int8PanelLinear`):
+        True where the panel kernels run, False never, None (ENTMTP_DRAFT_INT8=1/0 overrides) where
+        it is measured faster here (`draft_lm_timings`, once per shape in a process) for a slice of
+        at least INT8_DRAFT_MIN_WEIGHTS weights."""
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
@@ -644,6 +666,20 @@ class HeadRunner:
                 self.kernels = kernels
             except ValueError:
                 self.compute, self.kernels, self.prefix_dtype = self.heads, "stock", None
+        # the shared lm_head slice is most of a draft level's bytes: at one byte a weight where
+        # that is measured faster (drafts only: what is emitted is the base model's)
+        self.lm_int8, self.lm_seconds = False, None
+        if lm_int8 is None and os.environ.get("ENTMTP_DRAFT_INT8", "") in ("0", "1"):
+            lm_int8 = os.environ["ENTMTP_DRAFT_INT8"] == "1"
+        if lm_int8 is None and self.lm_weight is not None and self.lm_weight.numel() < INT8_DRAFT_MIN_WEIGHTS:
+            lm_int8 = False  # too small for the bytes to matter (or the timing to be more than noise)
+        if self.lm is not None and lm_int8 is not False:
+            int8 = int8_draft_layer(self.lm_weight)
+            if int8 is not None:
+                if lm_int8 is None:
+                    self.lm_seconds = draft_lm_timings(self.lm, int8, self.dtype, self.kernels)
+                if lm_int8 or self.lm_seconds[1] < self.lm_seconds[0]:
+                    self.lm, self.lm_int8 = int8, True
 
     @property
     def label(self) -> str:

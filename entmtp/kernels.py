@@ -44,6 +44,11 @@ pass does) and calling its prepacked kernel removes both costs (`python scripts/
   so float32 speculation emits exactly the plain loop's tokens too (which stay within rounding of
   `generate`'s, measured by every bench).
 
+* int8, for drafting only: the draft heads' slice of the lm_head quantised per token row
+  (`Int8PanelLinear`), read by the same micro-kernels (int8 widened exactly), one byte a weight;
+  `heads.HeadRunner` drafts through it where it is measured faster (drafts are verified, so it
+  changes which tokens are proposed at near-ties, never what is emitted).
+
 The twin shares every parameter and buffer with the model (only the packed weights are new
 memory); the model itself is left untouched, so transformers' own `generate`, training and
 calibration on it run the stock kernels.
@@ -470,6 +475,72 @@ class PanelLinear(_PackedBase):
         return within_scale(self(x), exact, BF16_PANEL_PROBE_RTOL)
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] int8, scales [N] float32), symmetric per output row:
+    weight[n] ~ q[n] * scales[n], |q| <= 127 (an all-zero row gets scale 1)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+INT8_PROBE_RTOL = 1e-5  # the int8 panels against the product with their own dequantised weights
+
+
+class Int8PanelLinear(_PackedBase):
+    """A bias-free linear for drafting only: its weight quantised to int8 per output row
+    (`quantize_rows`) in panels for entmtp's kernel (`i8_panels_linear`), one byte a weight instead
+    of two. x [..., in] bf16 or fp32 -> [..., out] float32.
+
+    Drafts are verified token by token, so what this changes is which tokens are proposed (the
+    top candidates move only at near-ties), never what is emitted. Each row is summed alone in a
+    fixed order, as in the other panels."""
+
+    layout = "int8 panels"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        if linear.bias is not None:
+            raise ValueError("the int8 draft panels take bias-free layers")
+        q, self.scales = quantize_rows(linear.weight)
+        cols = PANEL_LAYOUTS[panel_layout()][0]
+        self.panels = torch.ops.entmtp_cpu.i8_pack_panels(q, cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.entmtp_cpu.i8_panels_linear(x, self.panels, self.scales, self.out_features)
+
+    @property
+    def claim(self) -> str:
+        return f"within {INT8_PROBE_RTOL:g} of the product with its int8 weights"
+
+    def matches(self, x: torch.Tensor) -> bool:
+        q, scales = quantize_rows(self.weight)
+        ref = nn.functional.linear(x.float(), q.float() * scales[:, None])
+        return within_scale(self(x), ref, INT8_PROBE_RTOL)
+
+
+def int8_draft_layer(weight: torch.Tensor) -> Optional[Int8PanelLinear]:
+    """weight [out, in] on CPU -> an `Int8PanelLinear` of it, or None where entmtp's panel kernels
+    do not run here or its probe fails."""
+    if weight.device.type != "cpu" or _panels_unavailable():
+        return None
+    layer = Int8PanelLinear(shared_linear(weight))
+    return layer if probe_ok(layer) else None
+
+
+def seconds_per_call(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 12) -> float:
+    """The median seconds of `layer(x)` over `calls` timed calls, after two untimed ones."""
+    times = []
+    with torch.no_grad():
+        for i in range(calls + 2):
+            t0 = time.perf_counter()
+            layer(x)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 class FusedRMSNorm(nn.Module):
     """A Llama-style RMSNorm, weight * bf16(x * rsqrt(mean(x^2) + eps)) computed in fp32, as one
     op of entmtp's kernel library instead of eight (each costing more dispatch than arithmetic).
@@ -843,7 +914,8 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
     return twin, kernels, f"{why}; {panel_layout()} panel layout"
 
 
-__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
+__all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "Int8PanelLinear", "quantize_rows", "int8_draft_layer",
+           "seconds_per_call", "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

@@ -14,7 +14,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from . import viz
-from .autotune import long_context_words
+from .autotune import draft_lm_words, long_context_words
 from .ui_common import CACHE, _error_md, check_model_key, error_message, machine_profile_of, tuning_off
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -110,6 +110,8 @@ def profile_html(profile: dict, dtype_why: str = "") -> str:
                      f"{h['plain_step_ms']:.1f} ms. Why: {e(h['why'])}")
         if h.get("long_context"):
             lines.append(f"<b>{e(name)} tree, long contexts</b>: {e(long_context_words(h['long_context']))}")
+        if h.get("draft_lm"):
+            lines.append(f"<b>{e(name)} drafting</b>: {e(draft_lm_words(h['draft_lm']))}")
     return '<div class="entmtp-model">' + "<br>".join(lines) + "</div>" + kernel_table(profile)
 
 

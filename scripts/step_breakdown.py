@@ -7,16 +7,22 @@ time), so that a shared machine's drift in speed hits every method alike: run on
 another and the plain loop can look 25% faster or slower than it is beside the trees.
 
     python scripts/step_breakdown.py [--dtype bfloat16] [--methods baseline,medusa,hydra,hydra++,entmtp] [--n 3] [--repeats 2]
+        [--draft-lm both]
+
+--draft-lm both runs every heads method twice, interleaved on the same trees: drafts scored through
+the lm_head slice in int8 ("<method> int8") and in the kernels' own dtype ("<method> own").
 """
 
 import argparse
+import copy
 
 import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
 
 from entmtp.bench import BenchConfig, load_bench_prompts  # noqa: E402
 from entmtp.calibrate import encode_prompts  # noqa: E402
 from entmtp.interleave import rotated  # noqa: E402
-from entmtp.methods import ModelOptions, load_engine_for, make_runner, parse_methods  # noqa: E402
+from entmtp.heads import HeadRunner  # noqa: E402
+from entmtp.methods import ModelOptions, load_engine_for, make_runner, method_heads, parse_methods  # noqa: E402
 
 
 def main() -> int:
@@ -26,6 +32,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=3, help="prompts")
     ap.add_argument("--repeats", type=int, default=2, help="runs of every (method, prompt), interleaved")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--draft-lm", choices=("auto", "both"), default="auto",
+                    help="auto: as measured at load; both: int8 and the kernels' own dtype side by side")
     a = ap.parse_args()
     if a.n < 1 or a.repeats < 1:
         ap.error("--n and --repeats must be at least 1")
@@ -34,6 +42,21 @@ def main() -> int:
     _, prompts = load_bench_prompts(BenchConfig(per_category=1))
     ids = [i for _, i in encode_prompts(engine, prompts[: a.n])]
     runners = {m: make_runner(engine, m, a.max_new_tokens, progress=None) for m in methods}
+    if a.draft_lm == "both":
+        variants = {}
+        for int8 in (True, False):
+            twin = copy.copy(engine)  # the same model, kernels and tuned trees; other head runners
+            twin.runners = {k: HeadRunner(r.heads, engine.model, kernels=engine.kernels, lm_int8=int8)
+                            for k, r in engine.runners.items()}
+            variants[int8] = twin
+        runners = {}
+        for m in list(methods):
+            if method_heads(m, engine=engine) is None:
+                runners[m] = make_runner(engine, m, a.max_new_tokens, progress=None)
+                continue
+            for int8, tag in ((True, "int8"), (False, "own")):
+                runners[f"{m} {tag}"] = make_runner(variants[int8], m, a.max_new_tokens, progress=None)
+        methods = list(runners)
     for run in runners.values():
         run(ids[0])  # warm-up
     steps = {m: [] for m in methods}

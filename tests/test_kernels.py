@@ -968,3 +968,93 @@ def test_float32_fused_modules_probe_against_the_module_they_replace():
     assert kernels.probe_ok(mlp) and kernels.probe_ok(attn, getattr(attn, "probe_rows", (1, 7)))
     assert "of the gated MLP" in mlp.claim and "of the attention" in attn.claim
     assert not kernels.probe_ok(kernels.FusedAttention(DoubledAttention(layer.self_attn)))
+
+
+def test_quantize_rows_is_symmetric_per_row_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 29, generator=g) * torch.linspace(0.01, 5, 37)[:, None]
+    w[4] = 0
+    q, scales = kernels.quantize_rows(w)
+    assert q.dtype == torch.int8 and scales.shape == (37,) and int(q.abs().max()) == 127
+    assert scales[4] == 1 and not q[4].any()
+    assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-6).all()
+    assert torch.equal(q[:, :1].float() * scales[:, None], (q[:, :1].float() * scales[:, None]))
+    assert (q.abs().amax(1)[torch.arange(37) != 4] == 127).all()  # each row's largest weight is +-127
+
+
+@needs_panels
+@pytest.mark.parametrize("n,k", [(40, 24), (33, 7), (64, 96), (200, 576)])
+def test_int8_draft_panels_are_the_dequantised_product_and_row_invariant(n, k, monkeypatch):
+    """The int8 draft lm_head: each row x . (q * scale) within fp32 summation error, the same bits
+    whatever the rows beside it, and the AVX2 and AVX-512 panels (ENTMTP_ISA) the same bits."""
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    q, scales = kernels.quantize_rows(w)
+    ys = {}
+    for isa in ("avx2",) + (("avx512",) if hardware.isa_at_least("avx512") else ()):
+        monkeypatch.setenv("ENTMTP_ISA", isa)
+        layer = kernels.int8_draft_layer(w)
+        assert layer is not None and layer.panels.shape[-1] == (16 if isa == "avx2" else 32)
+        x = torch.randn(13, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        with torch.inference_mode():
+            y = layer(x)
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(13)])
+        assert y.dtype == torch.float32 and y.shape == (13, n)
+        assert torch.equal(alone, y)
+        exact, slack = _exact_and_slack(x, q.float())
+        assert ((y - exact * scales).abs() <= slack * scales + 1e-6).all()
+        ys[isa] = y
+    assert all(torch.equal(y, ys["avx2"]) for y in ys.values())
+
+
+@needs_panels
+def test_int8_draft_panels_refuse_bad_inputs():
+    layer = kernels.int8_draft_layer(torch.randn(20, 8).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="i8_panels_linear: panels must come from i8_pack_panels"):
+        layer(torch.randn(2, 9).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="i8_panels_linear: scales must be float32"):
+        torch.ops.entmtp_cpu.i8_panels_linear(torch.randn(2, 8), layer.panels, layer.scales[:5], 20)
+    with pytest.raises(RuntimeError, match="i8_pack_panels: w must be a 2-D int8"):
+        torch.ops.entmtp_cpu.i8_pack_panels(torch.randn(4, 4), 16)
+
+
+@needs_panels
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_int8_draft_lm_head_is_chosen_by_measurement_and_decoding_stays_lossless(kind, monkeypatch):
+    """The drafting lm_head slice goes int8 where it is measured faster (ENTMTP_DRAFT_INT8 forces
+    either way, a slice too small to matter stays as it is); drafts then follow the int8 logits'
+    order, and speculation still emits exactly the plain loop's tokens."""
+    from entmtp import heads as heads_mod
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=7)
+    h = random_heads(model, kind, num_heads=3)
+    assert not heads_mod.HeadRunner(h, model).lm_int8  # 96 x hidden: below INT8_DRAFT_MIN_WEIGHTS
+    monkeypatch.setattr(heads_mod, "INT8_DRAFT_MIN_WEIGHTS", 0)
+    from entmtp.autotune import draft_lm_entry, draft_lm_words
+
+    for faster, want in (((2e-3, 1e-3), True), ((1e-3, 2e-3), False)):
+        monkeypatch.setattr(heads_mod, "draft_lm_timings", lambda *a, t=faster: t)
+        runner = heads_mod.HeadRunner(h, model)
+        assert runner.lm_int8 is want and runner.lm_seconds == faster
+        assert isinstance(runner.lm, kernels.Int8PanelLinear) is want
+        entry = draft_lm_entry(runner)  # what `entmtp tune` and the Machine tab say
+        assert entry == {"int8": want, "rows": 96, "ms": [faster[0] * 1e3, faster[1] * 1e3]}
+        assert ("in int8 (" if want else "in the kernels' own dtype (") in draft_lm_words(entry)
+    monkeypatch.setenv("ENTMTP_DRAFT_INT8", "0")
+    assert not heads_mod.HeadRunner(h, model).lm_int8
+    monkeypatch.setenv("ENTMTP_DRAFT_INT8", "1")
+    runner = heads_mod.HeadRunner(h, model)
+    assert runner.lm_int8 and runner.lm_seconds is None
+    tree = resolve_tree("mc_sim_7b_63").truncated(3)
+    hidden = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        _, feature = runner.start(hidden)
+        root = torch.tensor(17)
+        logits = runner.first_level(feature, root)
+        assert logits.dtype == torch.float32  # the int8 panels' sums, scaled
+        draft = runner.draft(tree, feature, root)
+        first = [int(draft.tokens[i]) for i in range(1, tree.size) if tree.parent_list[i] == 0]
+        assert sorted(first) == sorted(runner.to_full_vocab(torch.topk(logits, len(first)).indices).tolist())
+    engine = Engine(model, heads={kind: h}, kernels="panels")
+    assert engine.runners[kind].lm_int8
+    assert_lossless_and_near_stock(engine, Engine(model, kernels="stock"), model, kind, tree)

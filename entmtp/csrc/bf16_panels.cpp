@@ -25,6 +25,10 @@
 //   f32_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor
 //       x [..., K] fp32 -> [..., n] fp32: a float32 model's linears, each output column one chain
 //       of fp32 FMAs over k in order (the same bits for any row count and either panel width)
+//   i8_pack_panels(Tensor w, int cols=16) -> Tensor  w [N, K] int8 -> panels [ceil(N/cols), K, cols]
+//   i8_panels_linear(Tensor x, Tensor panels, Tensor scales, int n) -> Tensor
+//       x [..., K] bf16 or fp32 -> [..., n] fp32: (x . int8 panel columns) * scales, for drafting
+//       (a draft head's lm_head slice at one byte a weight)
 //   bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor
 //       x [..., H] bf16, w [H] bf16 -> w * bf16(x * rsqrt(mean(x^2) + eps)), in fp32 like
 //       transformers' Llama-style RMSNorm, one op instead of eight
@@ -139,6 +143,13 @@ inline void widen(const float* row, __m256& lo, __m256& hi) {
   hi = _mm256_loadu_ps(row + 8);
 }
 
+// one k-row of a 16-column int8 panel (natural order) -> columns 0-7 and 8-15 as fp32 (exact)
+inline void widen(const int8_t* row, __m256& lo, __m256& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+
 // Weights stream from DRAM once per call; the hardware prefetcher alone leaves the micro-kernels
 // waiting on them (a 4-6 row product of the lm_head took 1.3-1.6x a 1-row one, 1.0-1.1x with
 // this). One prefetch per 64-byte line of k-row k of a C-column panel of T, kPrefetchBytes of bf16
@@ -221,6 +232,11 @@ __attribute__((target("avx512f"))) inline void widen_wide(const uint16_t* row, _
 __attribute__((target("avx512f"))) inline void widen_wide(const float* row, __m512& lo, __m512& hi) {
   lo = _mm512_loadu_ps(row);
   hi = _mm512_loadu_ps(row + 16);
+}
+
+__attribute__((target("avx512f"))) inline void widen_wide(const int8_t* row, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
 }
 
 // The AVX-512 twin of `micro`, on 32-column panels: y[m, 0:ncols] = x[m, :] . panel columns for MB
@@ -703,6 +719,45 @@ at::Tensor f32_panels_linear(const at::Tensor& x_, const at::Tensor& panels, int
   return y.view(out_shape);
 }
 
+// ---- int8 weights with a scale per output column: drafting only -------------------------------
+// Draft heads score their tokens through a slice of the base's lm_head (8192 x 576 for SmolLM2-135M,
+// 9.4 MB of bf16 read every level of a draft). Drafts are verified, so their logits need not be
+// exact; one byte a weight halves what a level streams. W [N, K] int8 (W ~ q * scale[n]) is
+// repacked once into panels [ceil(N/cols), K, cols] (natural column order) and read by the same
+// micro-kernels as the bf16 and fp32 panels (`widen` of int8 is exact), so a row's sums do not
+// depend on the rows beside it; each column's sum is then multiplied by its scale.
+
+at::Tensor i8_pack_panels(const at::Tensor& w_, int64_t cols) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kChar && w_.device().is_cpu(),
+              "i8_pack_panels: w must be a 2-D int8 CPU tensor");
+  TORCH_CHECK(cols == kCols || cols == kWideCols, "i8_pack_panels: cols must be 16 (AVX2) or 32 (AVX-512)");
+  return pack_columns<int8_t>(w_.contiguous(), cols, [](int64_t j) { return j; });
+}
+
+at::Tensor i8_panels_linear(const at::Tensor& x_, const at::Tensor& panels, const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x_.dim() >= 1 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat) &&
+                  x_.device().is_cpu(),
+              "i8_panels_linear: x must be a bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kCols || panels.size(2) == kWideCols) &&
+                  panels.size(1) == x_.size(-1) && panels.scalar_type() == at::kChar && panels.is_contiguous(),
+              "i8_panels_linear: panels must come from i8_pack_panels for this input width");
+  const int64_t cols = panels.size(2);
+  TORCH_CHECK(n > (panels.size(0) - 1) * cols && n <= panels.size(0) * cols,
+              "i8_panels_linear: n does not match the panels");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kFloat,
+              "i8_panels_linear: scales must be float32 [n]");
+  TORCH_CHECK(cols == kCols || __builtin_cpu_supports("avx512f"),
+              "i8_panels_linear: 32-column panels need a CPU with AVX-512");
+  const at::Tensor x = x_.reshape({-1, x_.size(-1)}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  std::vector<int64_t> out_shape = x_.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options());
+  fma_panels_product(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), P, cols, y.data_ptr<float>(), n);
+  y.mul_(scales.unsqueeze(0));
+  return y.view(out_shape);
+}
+
 // sum of squares of n bf16 values, in fp32 (8 lanes, then the lanes in order)
 inline float sum_squares(const at::BFloat16* x, int64_t n) {
   const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
@@ -1173,6 +1228,8 @@ TORCH_LIBRARY(entmtp_cpu, m) {
   m.def("bf16_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool out_float) -> Tensor");
   m.def("f32_pack_panels(Tensor w, int cols=16) -> Tensor");
   m.def("f32_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("i8_pack_panels(Tensor w, int cols=16) -> Tensor");
+  m.def("i8_panels_linear(Tensor x, Tensor panels, Tensor scales, int n) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("keep_rows(Tensor(a!)[] caches, int[] src, int dst) -> ()");
@@ -1186,6 +1243,8 @@ TORCH_LIBRARY_IMPL(entmtp_cpu, CPU, m) {
   m.impl("bf16_panels_linear", &bf16_panels_linear);
   m.impl("f32_pack_panels", &f32_pack_panels);
   m.impl("f32_panels_linear", &f32_panels_linear);
+  m.impl("i8_pack_panels", &i8_pack_panels);
+  m.impl("i8_panels_linear", &i8_panels_linear);
   m.impl("bf16_rms_norm", &bf16_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_split", &rope_split);
