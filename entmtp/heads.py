@@ -598,12 +598,18 @@ _DRAFT_LM_TIMINGS: dict[tuple, tuple[float, float]] = {}
 def draft_lm_timings(lm: nn.Module, int8: nn.Module, dtype: torch.dtype, kernels: str,
                      rows: tuple[int, ...] = (1, 4)) -> tuple[float, float]:
     """Seconds of a draft lm_head slice on its kernel set and as int8 panels, summed over inputs of
-    `rows` rows ([r, in] of `dtype`): measured once per shape, dtype and kernel set in a process."""
+    `rows` rows ([r, in] of `dtype`), the two timed in turns (a drift of the machine's speed hits
+    both alike): measured once per shape, dtype and kernel set in a process."""
     key = (int8.out_features, int8.in_features, dtype, kernels, cpu_isa())
     if key not in _DRAFT_LM_TIMINGS:
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(r, int8.in_features, generator=g).to(dtype) for r in rows]
-        _DRAFT_LM_TIMINGS[key] = tuple(sum(seconds_per_call(layer, x) for x in xs) for layer in (lm, int8))
+        totals = [0.0, 0.0]
+        for x in xs:
+            for turn in range(4):
+                for i in ((0, 1) if turn % 2 == 0 else (1, 0)):
+                    totals[i] += seconds_per_call((lm, int8)[i], x, calls=5) / 4
+        _DRAFT_LM_TIMINGS[key] = (totals[0], totals[1])
     return _DRAFT_LM_TIMINGS[key]
 
 
