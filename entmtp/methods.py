@@ -360,9 +360,10 @@ def fit_stock_threads(runner: Runner, ids: list[int], repeats: int = 2) -> Optio
         runner.threads = runner.stock.fit_threads(runner.method.name, ids, runner.max_new_tokens, runner.pld_tokens)
         return runner.threads
     best: dict[int, float] = {}
-    for n in sorted({1, default_threads()}):
-        with torch_threads(n):
-            for _ in range(repeats):
+    counts = sorted({1, default_threads()})
+    for k in range(repeats):  # the counts in turns, the order alternated: drift hits both alike
+        for n in (counts if k % 2 == 0 else counts[::-1]):
+            with torch_threads(n):
                 t0 = time.perf_counter()
                 runner._decode(ids)
                 best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)

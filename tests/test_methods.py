@@ -104,7 +104,9 @@ def test_generate_gets_its_own_fastest_thread_count(monkeypatch):
     before = torch.get_num_threads()
     for slow_with_more, want in ((True, 1), (False, 2)):
         hf = make_runner(eng, "hf", 4)
+        seen.clear()
         assert methods.fit_stock_threads(hf, [5, 6, 7]) == want == hf.threads
+        assert seen == [1, 2, 2, 1]  # the counts timed in turns, the order alternated
         assert torch.get_num_threads() == before
         seen.clear()
         hf([5, 6, 7])
