@@ -39,7 +39,7 @@ from .hardware import fingerprint, fingerprint_id, synchronize
 from .kernels import KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id, preferred_kernels
 from .kvcache import decoding_cache
 from .paths import cache_dir
-from .threads import adaptive_threads_possible, default_threads, threads_override
+from .threads import adaptive_threads_possible, default_threads, threads_override, torch_threads
 from .verify import forward, tree_mask
 
 PROFILE_FORMAT = "entmtp-kernel-profile/1"
@@ -185,21 +185,8 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
     cache = decoding_cache(twin)
     forward(twin, rand(context), cache)
     past = context
-    inputs = {r: (rand(r), (past + torch.arange(r, device=dev))[None], chain_mask(r, past, model.dtype, dev))
-              for r in rows}
-    times: dict[int, list[float]] = {r: [] for r in rows}
-    # row counts interleaved, fastest of the repeats: a burst of load elsewhere on the machine then
-    # slows one sample of each size, not every sample of one size
-    for k in range(repeats + 1):  # the first round untimed: per-shape kernel set-up
-        for r, (ids, pos, mask) in inputs.items():
-            synchronize(dev)
-            t = time.perf_counter()
-            forward(twin, ids, cache, mask=mask, position_ids=pos)
-            synchronize(dev)
-            if k:
-                times[r].append(time.perf_counter() - t)
-            cache.crop(-r)
-    trial.ms_by_rows = {r: min(ts) * 1e3 for r, ts in times.items()}
+    times = _time_rows(twin, cache, {r: rand(r) for r in rows}, past, repeats)
+    trial.ms_by_rows = {r: min(ts) * 1e3 for (_, r), ts in times.items()}
     for r in check_rows:
         ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
         tree_logits, _ = forward(twin, ids, cache, mask=chain_mask(r, past, model.dtype, dev), position_ids=pos)
@@ -208,6 +195,32 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         cache.crop(-r)
         trial.invariant_rows[r] = bool(torch.equal(tree_logits, torch.stack(one)))
     return trial
+
+
+def _time_rows(twin, cache, ids: dict[int, torch.Tensor], past: int, repeats: int,
+               threads: tuple[Optional[int], ...] = (None,)) -> dict[tuple[Optional[int], int], list[float]]:
+    """Seconds of a forward of each chain `ids[r]` [1, r] after `past` cached tokens, with each CPU
+    thread count in `threads` (None: as set): {(threads, r): [seconds per timed round]}.
+
+    Row counts and thread counts are interleaved in every round (the thread counts' order alternated)
+    and the first round is untimed (per-shape kernel set-up): a burst of load elsewhere on the
+    machine then slows one sample of each, and a drift of its speed hits all alike."""
+    dev = next(twin.parameters()).device
+    dtype = next(twin.parameters()).dtype
+    inputs = {r: (x, (past + torch.arange(r, device=dev))[None], chain_mask(r, past, dtype, dev)) for r, x in ids.items()}
+    times: dict[tuple[Optional[int], int], list[float]] = {(n, r): [] for n in threads for r in ids}
+    for k in range(repeats + 1):
+        for n in (threads if k % 2 == 0 else threads[::-1]):
+            with torch_threads(n):
+                for r, (x, pos, mask) in inputs.items():
+                    synchronize(dev)
+                    t = time.perf_counter()
+                    forward(twin, x, cache, mask=mask, position_ids=pos)
+                    synchronize(dev)
+                    if k:
+                        times[(n, r)].append(time.perf_counter() - t)
+                    cache.crop(-r)
+    return times
 
 
 def choose(trials: list[KernelTrial]) -> tuple[str, str, bool]:
@@ -271,27 +284,32 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
         if cpu and default_threads() > 1:
             if progress:
                 progress("tuning: measuring CPU threads")
-            threads, threads_ms = measure_threads(model, choice, next(t for t in trials if t.name == choice))
+            threads, threads_ms = measure_threads(model, choice)
     finally:
         torch.set_num_threads(before)
     return KernelProfile(choice, why, invariant, trials, fingerprint(p.device), model_key(model), threads=threads,
                          threads_ms=threads_ms, created=time.strftime("%Y-%m-%dT%H:%M:%S"), probe_s=time.perf_counter() - t0)
 
 
-def measure_threads(model, name: str, trial: KernelTrial) -> tuple[int, dict[int, float]]:
-    """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count (as
-    `trial` measured it) against one thread. Small models decode in thousands of short parallel
+def measure_threads(model, name: str) -> tuple[int, dict[int, float]]:
+    """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count against
+    one thread, timed in turns (a one-row and an 8-row forward each). Small models decode in thousands of short parallel
     regions a second; their synchronisation can cost more than a second core gives, and a thread
     that waits on a core another process holds stalls every region: all threads are chosen only
     when they are THREADS_GAIN times as fast as one, or ADAPTIVE_GAIN times where the engine's
     `threads.ThreadGovernor` drops to one thread while other processes use the cores."""
     n = torch.get_num_threads()
-    out = {n: trial.tree_ms()}
-    torch.set_num_threads(1)
-    try:
-        out[1] = measure_set(model, name, rows=(1, 8), check_rows=()).tree_ms()
-    finally:
-        torch.set_num_threads(n)
+    twin, _, _ = decode_model(model, name)
+    dev = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(1)
+    rand = lambda k: torch.randint(min(3, vocab - 1), vocab, (1, k), generator=g).to(dev)  # noqa: E731
+    cache = decoding_cache(twin)
+    forward(twin, rand(96), cache)
+    # the counts in turns within each round (`_time_rows`): the set's own trial, timed earlier with the
+    # other sets in between, would compare the counts across a drift of the machine's speed
+    times = _time_rows(twin, cache, {1: rand(1), 8: rand(8)}, 96, 5, threads=(n, 1))
+    out = {c: min(times[(c, 1)]) * 1e3 + min(times[(c, 8)]) * 1e3 for c in (n, 1)}
     return choose_threads(out, ADAPTIVE_GAIN if adaptive_threads_possible() else THREADS_GAIN), out
 
 

@@ -252,6 +252,40 @@ def test_a_threads_override_during_the_probe_does_not_stand_in_for_the_measureme
     torch.set_num_threads(before)
 
 
+def test_thread_counts_are_timed_in_turns_and_the_faster_chosen(monkeypatch):
+    """The thread counts are timed in the same rounds, their order alternated, so a machine whose
+    speed drifts (here every forward 2% slower than the one before) cannot favour the count timed
+    first; with two threads twice as fast, two are chosen, and with one thread faster, one."""
+    import time as time_mod
+
+    model = tiny_model("llama", vocab=96, dtype=torch.float32)
+    real, calls = tuning.forward, []
+
+    for two_faster in (True, False):
+        calls.clear()
+
+        def slow_forward(twin, ids, cache, **kw):
+            out = real(twin, ids, cache, **kw)
+            n = torch.get_num_threads()
+            calls.append((n, ids.shape[1]))
+            per = (0.5 if n == 2 else 1.0) if two_faster else (1.5 if n == 2 else 1.0)
+            time_mod.sleep(0.004 * per * 1.02 ** len(calls))
+            return out
+
+        monkeypatch.setattr(tuning, "forward", slow_forward)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            n, ms = tuning.measure_threads(model, "stock")
+        finally:
+            torch.set_num_threads(before)
+        timed = [c for c in calls if c[1] in (1, 8)]
+        rounds = [timed[i: i + 4] for i in range(0, len(timed), 4)]
+        assert len(rounds) == 6 and all({c for c, _ in r} == {1, 2} for r in rounds)
+        assert [r[0][0] for r in rounds] == [2, 1, 2, 1, 2, 1]  # the order alternates round by round
+        assert set(ms) == {1, 2} and n == (2 if two_faster else 1)
+
+
 def test_switch_point_is_where_the_smaller_tree_starts_to_pay():
     """Each tree's step time linear in the context between its two timings: the switch is where
     tau / cost crosses, clamped to the measured range."""
