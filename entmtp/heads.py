@@ -631,7 +631,7 @@ class HeadRunner:
         lm_int8: score drafts through the shared lm_head slice quantised to int8 (`Int8PanelLinear`):
         True where the panel kernels run, False never, None (ENTMTP_DRAFT_INT8=1/0 overrides) where
         it is measured faster here (`draft_lm_timings`, once per shape in a process) for a slice of
-        at least INT8_DRAFT_MIN_WEIGHTS weights."""
+        at least INT8_DRAFT_MIN_WEIGHTS weights, with the heads on a packed kernel set."""
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
@@ -679,6 +679,8 @@ class HeadRunner:
             lm_int8 = os.environ["ENTMTP_DRAFT_INT8"] == "1"
         if lm_int8 is None and self.lm_weight is not None and self.lm_weight.numel() < INT8_DRAFT_MIN_WEIGHTS:
             lm_int8 = False  # too small for the bytes to matter (or the timing to be more than noise)
+        if lm_int8 is None and self.kernels == "stock":
+            lm_int8 = False  # stock kernels asked for (or the only ones here): not entmtp's int8 panels
         if self.lm is not None and lm_int8 is not False:
             int8 = int8_draft_layer(self.lm_weight)
             if int8 is not None:

@@ -1040,6 +1040,8 @@ def test_int8_draft_lm_head_is_chosen_by_measurement_and_decoding_stays_lossless
         entry = draft_lm_entry(runner)  # what `entmtp tune` and the Machine tab say
         assert entry == {"int8": want, "rows": 96, "ms": [faster[0] * 1e3, faster[1] * 1e3]}
         assert ("in int8 (" if want else "in the kernels' own dtype (") in draft_lm_words(entry)
+    monkeypatch.setattr(heads_mod, "draft_lm_timings", lambda *a: (2e-3, 1e-3))
+    assert not heads_mod.HeadRunner(h, model, kernels="stock").lm_int8  # stock asked for: stock drafts
     monkeypatch.setenv("ENTMTP_DRAFT_INT8", "0")
     assert not heads_mod.HeadRunner(h, model).lm_int8
     monkeypatch.setenv("ENTMTP_DRAFT_INT8", "1")
