@@ -22,8 +22,13 @@ PALETTE = ("#64748b", "#3b82f6", "#16a34a", "#f59e0b", "#8b5cf6", "#ec4899")
 
 
 def latency_figure(profile: dict, height: int = 360) -> go.Figure:
-    """ms per forward of a chain of R tree rows for each kernel set tried (solid), and ms per
-    decoding step by tree nodes for each loaded heads' tuned latency model (dashed)."""
+    """ms per forward of a chain of R tree rows for each kernel set tried (solid), and per loaded
+    heads a decoding step by tree nodes from its tuned latency model (dashed).
+
+    The two are timed at different moments, and a shared machine's speed moves between them (a
+    heads' whole step had been drawn below the chosen set's one-row forward). What the latency model
+    measures robustly is a step's ratio to a plain step, so the heads' curves are drawn as that ratio
+    times the chosen set's one-row forward (the ratio in the hover); without kernel trials, in ms."""
     trials = [t for t in profile.get("kernel_trials") or [] if t.get("ran") and t.get("ms_by_rows")]
     heads = {k: v for k, v in (profile.get("heads") or {}).items() if v and v.get("step_ms_by_nodes_depth1")}
     if not trials and not heads:
@@ -36,12 +41,19 @@ def latency_figure(profile: dict, height: int = 360) -> go.Figure:
                                  name=f"{t['name']} kernels: one forward" + (" (chosen)" if chosen else ""),
                                  line=dict(color=PALETTE[k % len(PALETTE)], width=3 if chosen else 1.5),
                                  hovertemplate="%{x} rows<br>%{y:.2f} ms<extra>" + html.escape(t["name"]) + "</extra>"))
+    chosen = next((t for t in trials if t["name"] == profile.get("kernels")), None)
+    one_row = float(chosen["ms_by_rows"]["1"]) if chosen and "1" in chosen["ms_by_rows"] else None
     for k, (name, h) in enumerate(heads.items()):
         pts = sorted((int(n), float(ms)) for n, ms in h["step_ms_by_nodes_depth1"].items())
-        fig.add_trace(go.Scatter(x=[n for n, _ in pts], y=[ms for _, ms in pts], mode="lines+markers",
-                                 name=f"{name} heads: whole step (draft + verify)",
+        plain = float(h.get("plain_step_ms") or 0)
+        ratios = [ms / plain if plain > 0 else float("nan") for _, ms in pts]
+        relative = one_row is not None and plain > 0
+        y = [r * one_row for r in ratios] if relative else [ms for _, ms in pts]
+        label = f"{name} heads: whole step (draft + verify)" + (", relative to a plain step" if relative else "")
+        fig.add_trace(go.Scatter(x=[n for n, _ in pts], y=y, customdata=ratios, mode="lines+markers", name=label,
                                  line=dict(color=PALETTE[(k + 3) % len(PALETTE)], dash="dash", width=1.5),
-                                 hovertemplate="%{x} nodes<br>%{y:.2f} ms<extra>" + html.escape(name) + "</extra>"))
+                                 hovertemplate="%{x} nodes<br>×%{customdata:.2f} a plain step<extra>"
+                                 + html.escape(name) + "</extra>"))
     fig.update_layout(**viz._base_layout("latency vs tree rows, measured on this machine", height))
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.28, x=0.0), margin=dict(l=50, r=10, t=44, b=110))
     fig.update_xaxes(title="tree rows (nodes verified in one forward)", type="log", dtick=0.30103, gridcolor="#f1f5f9")

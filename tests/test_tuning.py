@@ -350,3 +350,21 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     monkeypatch.setattr(autotune, "measure_latency", lambda *a, **k: fake_latency(*a, **{**k, "context_tokens": 96}))
     again, why = autotune.tune_long_context(eng, "hydra", stats, tuned, 1024, repeats=1)
     assert again is None and "the same tree still pays best" in why
+
+
+def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
+    """The Machine tab's chart: kernel sets in ms as probed; each heads' whole step as its ratio to a
+    plain step (what the latency model measures robustly) times the chosen set's one-row forward, so
+    a machine that ran faster during one measurement than the other cannot draw a tree step below a
+    forward; without kernel trials the steps stay in ms."""
+    from entmtp.ui_machine import latency_figure
+
+    prof = {"kernels": "panels", "kernel_trials": [{"name": "panels", "ran": True, "ms_by_rows": {"1": 20.0, "8": 24.0}},
+                                                   {"name": "stock", "ran": True, "ms_by_rows": {"1": 40.0, "8": 44.0}}],
+            "heads": {"hydra": {"plain_step_ms": 15.0, "step_ms_by_nodes_depth1": {"1": 16.5, "4": 18.0}}}}
+    fig = latency_figure(prof)
+    heads = [t for t in fig.data if t.name.startswith("hydra heads")]
+    assert len(heads) == 1 and "relative to a plain step" in heads[0].name
+    assert list(heads[0].y) == pytest.approx([22.0, 24.0]) and list(heads[0].customdata) == pytest.approx([1.1, 1.2])
+    alone = latency_figure({**prof, "kernel_trials": []})
+    assert [list(t.y) for t in alone.data] == [pytest.approx([16.5, 18.0])] and "relative" not in alone.data[0].name
