@@ -177,13 +177,9 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         twin, _, why = decode_model(model, name)
     except ValueError as e:
         return KernelTrial(name, str(e))
-    dev = next(model.parameters()).device
-    vocab = model.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(dev)  # noqa: E731
     trial = KernelTrial(name, why, True)
-    cache = decoding_cache(twin)
-    forward(twin, rand(context), cache)
+    dev = next(model.parameters()).device
+    cache, rand = _cached_context(twin, context, seed)
     past = context
     times = _time_rows(twin, cache, {r: rand(r) for r in rows}, past, repeats)
     trial.ms_by_rows = {r: min(ts) * 1e3 for (_, r), ts in times.items()}
@@ -195,6 +191,18 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         cache.crop(-r)
         trial.invariant_rows[r] = bool(torch.equal(tree_logits, torch.stack(one)))
     return trial
+
+
+def _cached_context(twin, context: int, seed: int):
+    """A decoding cache holding `context` random tokens run through `twin`, and the generator of
+    further random token ids (n -> [1, n] long) the timing goes on with."""
+    dev = next(twin.parameters()).device
+    vocab = twin.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(dev)  # noqa: E731
+    cache = decoding_cache(twin)
+    forward(twin, rand(context), cache)
+    return cache, rand
 
 
 def _time_rows(twin, cache, ids: dict[int, torch.Tensor], past: int, repeats: int,
@@ -293,19 +301,14 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
 
 def measure_threads(model, name: str) -> tuple[int, dict[int, float]]:
     """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count against
-    one thread, timed in turns (a one-row and an 8-row forward each). Small models decode in thousands of short parallel
-    regions a second; their synchronisation can cost more than a second core gives, and a thread
+    one thread, timed in turns (a one-row and an 8-row forward each). Small models decode in
+    thousands of short parallel regions a second; their synchronisation can cost more than a second core gives, and a thread
     that waits on a core another process holds stalls every region: all threads are chosen only
     when they are THREADS_GAIN times as fast as one, or ADAPTIVE_GAIN times where the engine's
     `threads.ThreadGovernor` drops to one thread while other processes use the cores."""
     n = torch.get_num_threads()
     twin, _, _ = decode_model(model, name)
-    dev = next(model.parameters()).device
-    vocab = model.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(1)
-    rand = lambda k: torch.randint(min(3, vocab - 1), vocab, (1, k), generator=g).to(dev)  # noqa: E731
-    cache = decoding_cache(twin)
-    forward(twin, rand(96), cache)
+    cache, rand = _cached_context(twin, 96, seed=1)
     # the counts in turns within each round (`_time_rows`): the set's own trial, timed earlier with the
     # other sets in between, would compare the counts across a drift of the machine's speed
     times = _time_rows(twin, cache, {1: rand(1), 8: rand(8)}, 96, 5, threads=(n, 1))
