@@ -13,7 +13,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from entmtp import ui  # noqa: E402
 
 demo = ui.build_demo()
-demo.queue(default_concurrency_limit=2, max_size=64)
+ui.serve_queue(demo)
 
 if __name__ == "__main__":
     import threading

@@ -336,7 +336,7 @@ space.use_writable_cache()  # before anything reads the cache location
 from entmtp import ui  # noqa: E402
 
 demo = ui.build_demo()
-demo.queue(default_concurrency_limit=2, max_size=64)
+ui.serve_queue(demo)
 
 if __name__ == "__main__":
     import threading

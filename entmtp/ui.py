@@ -25,12 +25,14 @@ every other asset come with gradio, and analytics are off.
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
 from . import viz  # noqa: E402
+from .compute_thread import COMPUTE  # noqa: E402
 from .ui_chat import chat, clear_chat, replay, stop_chat  # noqa: E402,F401
 from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_TREE, HEAD_METHODS, HUB_FALLBACK,  # noqa: E402,F401
                         LAB_BUDGETS, LAB_DEFAULT_BUDGETS, LAB_MAX_NEW_TOKENS, LAB_MAX_PROMPTS, RACE_MAX_NEW_TOKENS,
@@ -120,6 +122,23 @@ Everything runs on this machine, tuned for it at load (see the Machine tab)."""
 
 SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"]
 MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
+
+
+QUEUE_POLL_S = 0.02  # how often an idle event queue looks for work (gradio's own: every 1 ms)
+
+
+def serve_queue(demo: gr.Blocks) -> gr.Blocks:
+    """`demo.queue` with the app's limits, its idle queue polled every `QUEUE_POLL_S`: gradio's
+    1 ms poll wakes the server thread a thousand times a second, and each wake takes the GIL from
+    the compute thread in the middle of a decoding step (docs/performance.md, "One thread runs the
+    models"). An event waits at most 20 ms more to start."""
+    demo.queue(default_concurrency_limit=2, max_size=64)
+    queue = getattr(demo, "_queue", None)
+    if queue is not None and isinstance(getattr(queue, "sleep_when_free", None), (int, float)):
+        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+    else:
+        warnings.warn("gradio's queue has no sleep_when_free: it polls at its own rate", stacklevel=2)
+    return demo
 
 
 def launch_kwargs() -> dict:
@@ -304,11 +323,14 @@ def build_demo() -> gr.Blocks:
                 mc = _machine_view()
 
         # ---------------- events
+        # handlers that run a model run on the one compute thread (`compute_thread`: one OpenMP
+        # team per process); the others (pickers, replay, Stop, Clear) run in gradio's workers
+        on_compute = COMPUTE.wrap
         pickers = [model_md, model_dd, ch["method"], ch["tree"], ch["sched"], lb["heads"]]
-        load_btn.click(load_model_ui, [model_dd, ch["method"]], pickers, api_name="load_model",
+        load_btn.click(on_compute(load_model_ui), [model_dd, ch["method"]], pickers, api_name="load_model",
                        concurrency_id="load", concurrency_limit=2)
-        demo.load(load_model_ui, [model_dd, ch["method"]], pickers, api_visibility="private",
-                  concurrency_id="load").then(machine_view, [model_dd], [mc["info"], mc["plot"]],
+        demo.load(on_compute(load_model_ui), [model_dd, ch["method"]], pickers, api_visibility="private",
+                  concurrency_id="load").then(on_compute(machine_view), [model_dd], [mc["info"], mc["plot"]],
                                               api_visibility="private")
         ch["method"].input(method_changed, [ch["method"], model_dd], [ch["sched"], ch["tree"]],
                            api_visibility="private", concurrency_limit=None)
@@ -317,8 +339,8 @@ def build_demo() -> gr.Blocks:
                    ch["top_p"], ch["max_new"], ch["color_by"]]
         chat_out = [ch["chatbot"], ch["msg"], ch["tree_plot"], ch["strip"], ch["step_plot"], ch["stats"],
                     ch["notices"], ch["slider"]]
-        ch["send"].click(chat, chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
-        ch["msg"].submit(chat, chat_in, chat_out, api_visibility="private", concurrency_id="gen")
+        ch["send"].click(on_compute(chat), chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
+        ch["msg"].submit(on_compute(chat), chat_in, chat_out, api_visibility="private", concurrency_id="gen")
         # Stop and Clear reach the running reply itself (ui_chat.RUNS): it ends at its next step
         ch["stop"].click(stop_chat, None, None, api_visibility="private", concurrency_limit=None)
         ch["clear"].click(clear_chat, None, [ch["chatbot"], ch["tree_plot"], ch["strip"], ch["step_plot"],
@@ -334,21 +356,21 @@ def build_demo() -> gr.Blocks:
         ch["color_by"].input(replay, [ch["slider"], ch["color_by"]], replay_out, api_visibility="private",
                              concurrency_limit=None)
 
-        rc["btn"].click(race, [rc["prompt"], model_dd, rc["new"], rc["repeats"]],
-                        [rc["table"], rc["plot"], rc["cards"], rc["status"]], api_name="race", concurrency_id="race",
+        rc["btn"].click(on_compute(race), [rc["prompt"], model_dd, rc["new"], rc["repeats"]],
+                        [rc["table"], rc["plot"], rc["cards"], rc["status"]], api_name="race", concurrency_id="race", show_progress="hidden",
                         concurrency_limit=1)
 
         lb["calib"].upload(lab_check_upload, [lb["calib"]], [lb["status"]], api_visibility="private",
                            concurrency_limit=None)
-        lb["btn"].click(lab_search, [lb["calib"], lb["use_example"], model_dd, lb["heads"], lb["budgets"], lb["prompts"],
+        lb["btn"].click(on_compute(lab_search), [lb["calib"], lb["use_example"], model_dd, lb["heads"], lb["budgets"], lb["prompts"],
                                      lb["new"], lb["race"]],
                         [lb["status"], lb["frontier"], lb["heldout"], lb["table"], lb["cand"], lb["cand_plot"],
                          lb["file"], ch["tree"]], api_name="lab_search", concurrency_id="lab", concurrency_limit=1)
         lb["cand"].input(lab_select, [lb["cand"]], [lb["cand_plot"], lb["file"]], api_name="lab_select",
                          concurrency_limit=None)
-        lb["score_btn"].click(lab_score, [lb["tree_up"], lb["calib"], lb["use_example"], model_dd, lb["heads"],
+        lb["score_btn"].click(on_compute(lab_score), [lb["tree_up"], lb["calib"], lb["use_example"], model_dd, lb["heads"],
                                           lb["prompts"], lb["new"]],
                               [lb["score_md"], lb["score_plot"], ch["tree"]], api_name="lab_score",
                               concurrency_id="lab")
-        mc["btn"].click(machine_view, [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
+        mc["btn"].click(on_compute(machine_view), [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
     return demo

@@ -388,9 +388,12 @@ CACHE = EngineCache(int(os.environ.get("ENTMTP_APP_CACHE", "2") or 2))
 
 
 def warm_up(key: str = "default") -> None:
-    """Load a model into the cache (for a background thread at launch); errors are logged."""
+    """Load a model into the cache (for a background thread at launch) on the app's compute thread
+    (`compute_thread`: the only thread that runs models); errors are logged."""
+    from .compute_thread import COMPUTE
+
     try:
-        CACHE.get(key)
+        COMPUTE.call(CACHE.get, key)
     except Exception as exc:  # noqa: BLE001
         log.warning("warm-up of %s failed: %s", key, exc)
 

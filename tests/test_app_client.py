@@ -239,6 +239,43 @@ def test_race_runs_every_method_interleaved(client):
     assert "generate on transformers&#x27; own, in a process of their own (OpenMP waiting" in status
 
 
+def test_every_model_call_runs_on_the_one_compute_thread(client, monkeypatch):
+    """Handlers run in gradio's worker threads; a model run in two of them gives the process two
+    OpenMP teams and slows every parallel region (`entmtp.compute_thread`). Chats, a race, the
+    machine profile and a model load, side by side: every module call on the compute thread."""
+    import torch
+
+    from entmtp.compute_thread import COMPUTE
+
+    seen: dict[int, str] = {}
+    call = torch.nn.Module.__call__
+
+    def recorded(self, *args, **kwargs):
+        seen.setdefault(threading.get_ident(), threading.current_thread().name)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recorded)
+    jobs = [client.submit(*chat_args("hello world", max_new=12), api_name="/chat"),
+            client.submit(*chat_args("the cat sat", method="medusa", max_new=12), api_name="/chat"),
+            client.submit("what is the capital of france?", "default", 8, 1, api_name="/race"),
+            client.submit("default", api_name="/machine"),
+            client.submit("default", "hydra", api_name="/load_model")]
+    for job in jobs:
+        job.result()
+    assert reply_text(jobs[0].result()[0]).strip() and "done:" in jobs[2].result()[3]
+    assert seen and set(seen) == {COMPUTE.ident}, seen
+
+
+def test_the_served_queue_polls_at_the_apps_rate(server):
+    """app.py and the Space's app queue through `ui.serve_queue`: gradio's 1 ms idle poll would
+    take the GIL from the compute thread a thousand times a second."""
+    import app
+    from entmtp import space, ui
+
+    assert app.demo._queue.sleep_when_free == ui.QUEUE_POLL_S > 0.001
+    assert "ui.serve_queue(demo)" in space.app_text() and "demo.queue(" not in space.app_text()
+
+
 def test_the_race_can_keep_generate_in_this_process(monkeypatch):
     """ENTMTP_APP_STOCK_PROCESS=0 (a small Space: no second copy of the model) keeps generate in
     the app's process, and the Race's machine line says so."""
