@@ -50,6 +50,7 @@ def launched_app(env: dict):
     os.environ.update(env)
     import app
     from entmtp import ui
+    from entmtp.compute_thread import COMPUTE
 
     ui.CACHE.clear()
     _, url, _ = app.demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
@@ -59,6 +60,8 @@ def launched_app(env: dict):
     finally:
         app.demo.close()
         ui.CACHE.clear()
+        # its OpenMP team ends with it: the tests after these run with the main thread's team alone
+        COMPUTE.shutdown()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
