@@ -18,11 +18,18 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 _END = object()
+log = logging.getLogger(__name__)
+
+
+def _log_failure(done: Future) -> None:
+    if done.exception() is not None:
+        log.warning("closing a handler on the compute thread failed: %s", done.exception())
 
 
 class ComputeThread:
@@ -66,7 +73,7 @@ class ComputeThread:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` made to run on the thread, keeping its signature (for frameworks that inspect it).
         A generator function stays one: each of its steps runs on the thread, and closing the
-        wrapper closes the generator there."""
+        wrapper queues the generator's close there."""
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
             def steps(*args, **kwargs):
@@ -78,7 +85,12 @@ class ComputeThread:
                             return
                         yield item
                 finally:
-                    self.call(gen.close)
+                    # queued, not waited for: a client that went away can close the wrapper from the
+                    # server's event loop, which must not block behind a long handler here
+                    if self.on_thread():
+                        gen.close()
+                    else:
+                        self.submit(gen.close).add_done_callback(_log_failure)
             return steps
 
         @functools.wraps(fn)

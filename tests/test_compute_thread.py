@@ -68,7 +68,8 @@ def test_a_generator_stays_one_and_steps_on_the_thread(compute):
     log.clear()
     it = wrapped(10)
     assert next(it) == 0
-    it.close()  # a client that goes away: the generator's own clean-up runs, on the thread
+    it.close()  # a client that goes away: the generator's own clean-up is queued on the thread
+    compute.call(lambda: None)  # calls run in order: the close has run
     assert log == [("step", compute.ident), ("closed", compute.ident)]
 
 
@@ -103,3 +104,26 @@ def test_the_callers_context_variables_travel_with_each_call(compute):
         t.join()
     assert out == {"a": (["a", "a"], "a"), "b": (["b", "b"], "b")}
     assert request.get() is None
+
+
+def test_closing_a_generator_does_not_wait_for_a_busy_thread(compute):
+    """A client gone mid-reply closes the wrapper from the server's event loop: that must not block
+    behind a long handler (a lab search) holding the compute thread."""
+    closed, release = threading.Event(), threading.Event()
+
+    def gen():
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.set()
+
+    it = compute.wrap(gen)()
+    assert next(it) == 1
+    busy = compute.submit(release.wait, 10)
+    it.close()  # returns at once, the thread still busy
+    assert not closed.is_set()
+    release.set()
+    busy.result()
+    compute.call(lambda: None)
+    assert closed.is_set()
