@@ -4,9 +4,9 @@ torch's Linux CPU wheels use GNU OpenMP (libgomp). Every thread that starts a pa
 an OpenMP team of its own, and while the process has more OpenMP threads alive than CPUs, libgomp
 cuts its spin-waiting to ~100 iterations for every team: each parallel region then wakes its
 workers through the kernel. A web server runs its handlers in a pool of worker threads, so once two
-of them have run a model, every layer of every decoding step pays that wake-up. On a 2-core Xeon
-the app's plain loop fell from ~57 to ~27 tokens/s that way, while `generate`, timed in a process
-of its own, kept its speed (`python scripts/race_defaults.py`, served through a browser).
+of them have run a model, every layer of every decoding step pays that wake-up: on a 2-core Xeon
+plain decoding fell from 68 to 35 tokens/s while a second live thread had run one torch operation
+(`python scripts/openmp_teams.py`; docs/performance.md, "One thread runs the models").
 
 So the app runs every handler that touches a model on one thread (`ComputeThread.wrap`): the
 process keeps one OpenMP team for its life. Handlers queue there in arrival order; a streaming
