@@ -24,7 +24,7 @@ import threading
 from typing import Optional
 
 from .methods import ModelOptions, Output
-from .threads import USER_WAIT_POLICY
+from .threads import USER_WAIT_POLICY, count_as_own, forget_worker
 
 PREFIX = "@@entmtp-stock "  # marks the worker's answers among anything else it prints
 
@@ -66,6 +66,7 @@ class StockProcess:
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, env=env, text=True, bufsize=1)
+        count_as_own(self.proc.pid)  # its CPU is ours to the thread governor, not a busy neighbour's
         try:
             self.info = self._ask({"op": "load", "opts": dataclasses.asdict(opts)})
         except BaseException:
@@ -111,6 +112,7 @@ class StockProcess:
                               "pld_tokens": pld_tokens})["threads"])
 
     def close(self) -> None:
+        forget_worker(self.proc.pid)
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()  # the worker's loop ends at end of input

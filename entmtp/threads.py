@@ -65,12 +65,52 @@ def configure_wait_policy() -> str | None:
     return DEFAULT_WAIT_POLICY
 
 
+# worker processes this process runs work in (`stock_process`: `generate` timed beside our loop):
+# their CPU time is ours, not a neighbour's, or every run of ours after one of theirs would start
+# on one thread
+_WORKERS: set[int] = set()
+
+
+def count_as_own(pid: int) -> None:
+    """Count process `pid`'s CPU time as this process's in `CoreLoad` (until `forget_worker`)."""
+    _WORKERS.add(int(pid))
+
+
+def forget_worker(pid: int) -> None:
+    _WORKERS.discard(int(pid))
+
+
+def process_cpu_seconds(pid: int, proc_root: str = "/proc") -> Optional[float]:
+    """User + system CPU seconds of process `pid` from `/proc/<pid>/stat` (None: gone or unreadable)."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat")) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def own_cpu_seconds(workers: Optional[set[int]] = None, proc_root: str = "/proc") -> float:
+    """CPU seconds of this process and of its registered workers (`count_as_own`); a worker that
+    has ended is dropped from the set."""
+    workers = _WORKERS if workers is None else workers
+    total = sum(os.times()[:2])
+    for pid in list(workers):
+        t = process_cpu_seconds(pid, proc_root)
+        if t is None:
+            workers.discard(pid)
+        else:
+            total += t
+    return total
+
+
 class CoreLoad:
     """How much of this process's cores other processes (or, on a VM, the host) used, from the
-    kernel's per-core counters (`/proc/stat`) less this process's own CPU time."""
+    kernel's per-core counters (`/proc/stat`) less the CPU time of this process and its workers
+    (`own_cpu_seconds`)."""
 
     def __init__(self, cpus: Optional[list[int]] = None, stat_path: str = "/proc/stat",
-                 cpu_time=lambda: sum(os.times()[:2]), clock=time.monotonic):
+                 cpu_time=own_cpu_seconds, clock=time.monotonic):
         self.cpus = cpus if cpus is not None else _our_cpus()
         self.stat_path, self.cpu_time, self.clock = stat_path, cpu_time, clock  # the last two: this process's
         self._last = self.sample()
@@ -172,4 +212,4 @@ def torch_threads(n: int | None):
 
 
 __all__ = ["DEFAULT_WAIT_POLICY", "USER_WAIT_POLICY", "BUSY_CORES", "adaptive_threads_possible", "configure_wait_policy",
-           "CoreLoad", "ThreadGovernor", "threads_override", "default_threads", "torch_threads"]
+           "count_as_own", "forget_worker", "process_cpu_seconds", "own_cpu_seconds", "CoreLoad", "ThreadGovernor", "threads_override", "default_threads", "torch_threads"]

@@ -4,6 +4,7 @@ process, errors as one line, the worker gone after close."""
 import pytest
 
 from conftest import save_tiny_base
+from entmtp import threads
 from entmtp.methods import ModelOptions, Runner, get_method, hf_generate, load_engine_for
 from entmtp.stock_process import StockProcess, StockProcessError
 
@@ -15,6 +16,8 @@ def test_the_worker_decodes_what_this_process_decodes(tmp_path):
     prompts = [[5, 6, 7, 8], list(range(3, 30))]
     with StockProcess(opts) as stock:
         assert stock.info["pid"] == stock.proc.pid
+        # its CPU is this process's to the thread governor: generate's run is no busy neighbour
+        assert stock.proc.pid in threads._WORKERS
         for ids in prompts:
             here = hf_generate(engine, ids, 10)
             there = stock.decode("hf", ids, 10)
@@ -30,6 +33,7 @@ def test_the_worker_decodes_what_this_process_decodes(tmp_path):
         assert len(str(e.value).splitlines()) == 1
         assert stock.decode("hf", prompts[0], 3).tokens == hf_generate(engine, prompts[0], 3).tokens  # still serving
     assert stock.proc.poll() is not None  # closed: the worker has ended
+    assert stock.proc.pid not in threads._WORKERS
 
 
 def test_a_model_the_worker_cannot_load_is_one_line(tmp_path):

@@ -43,6 +43,32 @@ def test_core_load_is_the_busy_time_of_our_cores_less_our_own(tmp_path):
     assert load.others() is None and CoreLoad(cpus=[0], stat_path=str(tmp_path / "missing")).sample() is None
 
 
+def test_a_registered_worker_process_counts_as_our_own_cpu(tmp_path):
+    """`generate` timed in a worker process (`stock_process`) is not a busy neighbour: its CPU
+    time joins ours, read from /proc/<pid>/stat; a worker that has ended is dropped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "4242").mkdir()
+    # pid (comm with a space and a paren) state ppid ... utime=fields[11] stime=fields[12] after the ")"
+    rest = ["S", "1"] + ["0"] * 9 + [str(3 * tick), str(tick)] + ["0"] * 30
+    (tmp_path / "4242" / "stat").write_text("4242 (python (x)) " + " ".join(rest) + "\n")
+    assert threads.process_cpu_seconds(4242, str(tmp_path)) == pytest.approx(4.0)
+    assert threads.process_cpu_seconds(999, str(tmp_path)) is None
+    workers = {4242, 999}
+    mine = sum(os.times()[:2])
+    total = threads.own_cpu_seconds(workers, str(tmp_path))
+    assert mine + 4.0 <= total < mine + 4.0 + 1.0  # ours (a little more by now) plus the worker's
+    assert workers == {4242}  # the ended one is gone
+
+    # the governor's load: a second's busy cores, the worker's 0.8 s of it ours
+    stat, now, worker = tmp_path / "stat", [0.0], [0.0]
+    _stat(stat, [0, 0])
+    load = CoreLoad(cpus=[0, 1], stat_path=str(stat), cpu_time=lambda: worker[0], clock=lambda: now[0])
+    _stat(stat, [tick, 0])
+    now[0], worker[0] = 1.0, 0.8
+    assert load.others() == pytest.approx(0.2, abs=0.02)
+    assert CoreLoad().cpu_time is threads.own_cpu_seconds  # the default counts registered workers
+
+
 class _ScriptedLoad:
     def __init__(self, values):
         self.values = list(values)
