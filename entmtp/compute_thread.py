@@ -43,6 +43,7 @@ class ComputeThread:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._ident: Optional[int] = None
         self._lock = threading.Lock()
+        self._running: Optional[str] = None  # the label of the wrapped handler running now
 
     @property
     def ident(self) -> Optional[int]:
@@ -59,6 +60,22 @@ class ComputeThread:
     def on_thread(self) -> bool:
         return self._ident is not None and threading.get_ident() == self._ident
 
+    def busy_with(self) -> Optional[str]:
+        """The label of the wrapped handler the thread runs now (None: idle, or no label)."""
+        return self._running
+
+    def _labelled(self, label: Optional[str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        if label is None:
+            return fn
+
+        def run(*args, **kwargs):
+            outer, self._running = self._running, label
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._running = outer
+        return run
+
     def submit(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
         """Queue `fn(*args, **kwargs)` on the thread; its future."""
         ctx = contextvars.copy_context()
@@ -70,17 +87,24 @@ class ComputeThread:
             return fn(*args, **kwargs)
         return self.submit(fn, *args, **kwargs).result()
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[..., Any], label: Optional[str] = None,
+             waiting: Optional[Callable[[str], Any]] = None) -> Callable[..., Any]:
         """`fn` made to run on the thread, keeping its signature (for frameworks that inspect it).
         A generator function stays one: each of its steps runs on the thread, and closing the
-        wrapper queues the generator's close there."""
+        wrapper queues the generator's close there. label: what `busy_with` says while `fn` runs
+        (e.g. "a topology-lab search"). waiting(label) -> a first item a generator yields when it
+        has to wait for another labelled handler, so its page says why nothing moves yet."""
+        step = self._labelled(label, next)
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
             def steps(*args, **kwargs):
                 gen = fn(*args, **kwargs)  # runs none of its code yet
                 try:
+                    other = self.busy_with() if waiting is not None and not self.on_thread() else None
+                    if other is not None:
+                        yield waiting(other)
                     while True:
-                        item = self.call(next, gen, _END)
+                        item = self.call(step, gen, _END)
                         if item is _END:
                             return
                         yield item
@@ -93,9 +117,11 @@ class ComputeThread:
                         self.submit(gen.close).add_done_callback(_log_failure)
             return steps
 
+        run = self._labelled(label, fn)
+
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            return self.call(fn, *args, **kwargs)
+            return self.call(run, *args, **kwargs)
         return call
 
     def shutdown(self) -> None:

@@ -33,7 +33,7 @@ import gradio as gr  # noqa: E402
 
 from . import viz  # noqa: E402
 from .compute_thread import COMPUTE  # noqa: E402
-from .ui_chat import chat, clear_chat, replay, stop_chat  # noqa: E402,F401
+from .ui_chat import chat, chat_waiting, clear_chat, replay, stop_chat  # noqa: E402,F401
 from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_TREE, HEAD_METHODS, HUB_FALLBACK,  # noqa: E402,F401
                         LAB_BUDGETS, LAB_DEFAULT_BUDGETS, LAB_MAX_NEW_TOKENS, LAB_MAX_PROMPTS, RACE_MAX_NEW_TOKENS,
                         UPLOAD_MAX_BYTES, UPLOAD_TYPES, AppError, EngineCache, LoadedModel, _error_md,
@@ -42,7 +42,7 @@ from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_TREE
 from .ui_lab import (LAB_HEADERS, _first_heads, _search_module, lab_check_upload, lab_heads_choices,  # noqa: E402
                      lab_score, lab_search, lab_select)
 from .ui_machine import machine_view  # noqa: E402
-from .ui_race import RACE_HEADERS, RACE_MAX_REPEATS, race  # noqa: E402
+from .ui_race import RACE_HEADERS, RACE_MAX_REPEATS, race, race_waiting  # noqa: E402
 
 
 def load_model_ui(model_key, method, request: gr.Request = None):
@@ -327,10 +327,10 @@ def build_demo() -> gr.Blocks:
         # team per process); the others (pickers, replay, Stop, Clear) run in gradio's workers
         on_compute = COMPUTE.wrap
         pickers = [model_md, model_dd, ch["method"], ch["tree"], ch["sched"], lb["heads"]]
-        load_btn.click(on_compute(load_model_ui), [model_dd, ch["method"]], pickers, api_name="load_model",
+        load_btn.click(on_compute(load_model_ui, "loading a model"), [model_dd, ch["method"]], pickers, api_name="load_model",
                        concurrency_id="load", concurrency_limit=2)
-        demo.load(on_compute(load_model_ui), [model_dd, ch["method"]], pickers, api_visibility="private",
-                  concurrency_id="load").then(on_compute(machine_view), [model_dd], [mc["info"], mc["plot"]],
+        demo.load(on_compute(load_model_ui, "loading a model"), [model_dd, ch["method"]], pickers, api_visibility="private",
+                  concurrency_id="load").then(on_compute(machine_view, "the machine profile"), [model_dd], [mc["info"], mc["plot"]],
                                               api_visibility="private")
         ch["method"].input(method_changed, [ch["method"], model_dd], [ch["sched"], ch["tree"]],
                            api_visibility="private", concurrency_limit=None)
@@ -339,8 +339,8 @@ def build_demo() -> gr.Blocks:
                    ch["top_p"], ch["max_new"], ch["color_by"]]
         chat_out = [ch["chatbot"], ch["msg"], ch["tree_plot"], ch["strip"], ch["step_plot"], ch["stats"],
                     ch["notices"], ch["slider"]]
-        ch["send"].click(on_compute(chat), chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
-        ch["msg"].submit(on_compute(chat), chat_in, chat_out, api_visibility="private", concurrency_id="gen")
+        ch["send"].click(on_compute(chat, "a chat reply", chat_waiting), chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
+        ch["msg"].submit(on_compute(chat, "a chat reply", chat_waiting), chat_in, chat_out, api_visibility="private", concurrency_id="gen")
         # Stop and Clear reach the running reply itself (ui_chat.RUNS): it ends at its next step
         ch["stop"].click(stop_chat, None, None, api_visibility="private", concurrency_limit=None)
         ch["clear"].click(clear_chat, None, [ch["chatbot"], ch["tree_plot"], ch["strip"], ch["step_plot"],
@@ -356,21 +356,21 @@ def build_demo() -> gr.Blocks:
         ch["color_by"].input(replay, [ch["slider"], ch["color_by"]], replay_out, api_visibility="private",
                              concurrency_limit=None)
 
-        rc["btn"].click(on_compute(race), [rc["prompt"], model_dd, rc["new"], rc["repeats"]],
+        rc["btn"].click(on_compute(race, "a race", race_waiting), [rc["prompt"], model_dd, rc["new"], rc["repeats"]],
                         [rc["table"], rc["plot"], rc["cards"], rc["status"]], api_name="race", concurrency_id="race", show_progress="hidden",
                         concurrency_limit=1)
 
         lb["calib"].upload(lab_check_upload, [lb["calib"]], [lb["status"]], api_visibility="private",
                            concurrency_limit=None)
-        lb["btn"].click(on_compute(lab_search), [lb["calib"], lb["use_example"], model_dd, lb["heads"], lb["budgets"], lb["prompts"],
+        lb["btn"].click(on_compute(lab_search, "a topology-lab search"), [lb["calib"], lb["use_example"], model_dd, lb["heads"], lb["budgets"], lb["prompts"],
                                      lb["new"], lb["race"]],
                         [lb["status"], lb["frontier"], lb["heldout"], lb["table"], lb["cand"], lb["cand_plot"],
                          lb["file"], ch["tree"]], api_name="lab_search", concurrency_id="lab", concurrency_limit=1)
         lb["cand"].input(lab_select, [lb["cand"]], [lb["cand_plot"], lb["file"]], api_name="lab_select",
                          concurrency_limit=None)
-        lb["score_btn"].click(on_compute(lab_score), [lb["tree_up"], lb["calib"], lb["use_example"], model_dd, lb["heads"],
+        lb["score_btn"].click(on_compute(lab_score, "a tree score"), [lb["tree_up"], lb["calib"], lb["use_example"], model_dd, lb["heads"],
                                           lb["prompts"], lb["new"]],
                               [lb["score_md"], lb["score_plot"], ch["tree"]], api_name="lab_score",
                               concurrency_id="lab")
-        mc["btn"].click(on_compute(machine_view), [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
+        mc["btn"].click(on_compute(machine_view, "the machine profile"), [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
     return demo

@@ -19,7 +19,7 @@ import gradio as gr
 
 from . import viz
 from .ui_common import (CACHE, CHAT_MAX_NEW_TOKENS, MAX_MESSAGE_CHARS, STREAM_EVERY_S, AppError, _error_md,
-                        _notice_md, build_decoding, check_model_key, error_message, registry, session_state)
+                        _notice_md, build_decoding, check_model_key, error_message, registry, session_state, waiting_note)
 
 EMPTY_TREE = "the draft tree of each step appears here"
 STOP_WAIT_S = 10.0  # how long Stop / Clear wait for the reply to reach its next step
@@ -156,6 +156,12 @@ def _tree_fig(steps: list, k: int, color_by: str, tokenizer=None):
              f"token{'s' if s.accept_length != 1 else ''}")
     return viz.step_tree_figure(s, color_by if color_by in viz.COLOR_BY else "draft_prob",
                                 bonus_text=_bonus_text(steps, k, tokenizer), title=title)
+
+
+def chat_waiting(what: str) -> tuple:
+    """The chat's outputs while it waits for another handler on the model thread: a notice only."""
+    skip = gr.skip()
+    return (skip, skip, skip, skip, skip, skip, _notice_md([waiting_note(what)]), skip)
 
 
 def chat(message, history, model_key, method, tree_name, sched_name, temperature, top_p, max_new_tokens,

@@ -93,6 +93,11 @@ def collapse_notices(notes: list[str]) -> list[str]:
     return [first if k == 1 else f"{first} (and {k - 1} more like it)" for first, k in kinds.values()]
 
 
+def waiting_note(what: str) -> str:
+    """Why a request has not started: the one model thread (`compute_thread`) runs `what`."""
+    return f"waiting for {what} to finish: this app runs one model request at a time"
+
+
 def _notice_md(notes: list[str]) -> str:
     if not notes:
         return ""

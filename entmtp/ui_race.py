@@ -19,7 +19,7 @@ from . import viz
 from .hardware import synchronize
 from .interleave import rotated
 from .ui_common import (CACHE, MAX_MESSAGE_CHARS, RACE_MAX_NEW_TOKENS, AppError, _error_md, _notice_md,
-                        check_model_key, error_message, method_status, registry)
+                        check_model_key, error_message, method_status, registry, waiting_note)
 
 RACE_METHODS = ("hf", "baseline", "medusa", "hydra", "hydra++", "entmtp")
 RACE_MAX_REPEATS = 5
@@ -163,6 +163,12 @@ def _runner(engine, method: str, n_new: int, notes: list[str], stock=None):
             raise
         notes.append(f"entmtp runs its static tree: {error_message(exc)}")
         return registry.make_runner(engine, method, n_new, scheduler="static", progress=None)
+
+
+def race_waiting(what: str) -> tuple:
+    """The race's outputs while it waits for another handler on the model thread: its status only."""
+    skip = gr.skip()
+    return skip, skip, skip, _notice_md([waiting_note(what)])
 
 
 def race(prompt, model_key, max_new_tokens, repeats=1):

@@ -115,7 +115,7 @@ MUTANTS = (
            "entmtp/calibrate.py", "t / ((before + after) / 2) for t in ts", "t / before for t in ts",
            ("tests/test_search.py::test_latency_is_measured_against_plain_steps_around_each_generation",)),
     Mutant("compute_thread_bypassed", "the app runs its model handlers in gradio's worker threads (one OpenMP team each)",
-           "entmtp/ui.py", "on_compute = COMPUTE.wrap", "on_compute = lambda handler: handler",
+           "entmtp/ui.py", "on_compute = COMPUTE.wrap", "on_compute = lambda handler, *how: handler",
            ("tests/test_app_client.py::test_every_model_call_runs_on_the_one_compute_thread",)),
     Mutant("stock_worker_neighbour", "the thread governor counts the generate worker's CPU as a busy neighbour's",
            "entmtp/stock_process.py", "        count_as_own(self.proc.pid)", "        pass",

@@ -269,6 +269,30 @@ def test_every_model_call_runs_on_the_one_compute_thread(client, monkeypatch):
     assert seen and set(seen) == {COMPUTE.ident}, seen
 
 
+def test_a_chat_behind_a_long_handler_says_what_it_waits_for(client):
+    """One thread runs the models: a chat sent during a topology-lab search first shows why it has
+    not started, then replies once the search is done."""
+    from entmtp.compute_thread import COMPUTE
+
+    started, release = threading.Event(), threading.Event()
+    search = COMPUTE.wrap(lambda: (started.set(), release.wait(60)), label="a topology-lab search")
+    lab = threading.Thread(target=search)
+    lab.start()
+    try:
+        assert started.wait(30)
+        job = client.submit(*chat_args("hello world", max_new=6), api_name="/chat")
+        deadline = time.monotonic() + 60
+        while not job.outputs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = job.outputs()[0]
+        assert "waiting for a topology-lab search to finish" in first[6]
+        assert not job.done()
+    finally:
+        release.set()
+        lab.join()
+    assert reply_text(job.result()[0]).strip()
+
+
 def test_the_served_queue_polls_at_the_apps_rate(server):
     """app.py and the Space's app queue through `ui.serve_queue`: gradio's 1 ms idle poll would
     take the GIL from the compute thread a thousand times a second."""

@@ -127,3 +127,31 @@ def test_closing_a_generator_does_not_wait_for_a_busy_thread(compute):
     busy.result()
     compute.call(lambda: None)
     assert closed.is_set()
+
+
+def test_a_stream_that_must_wait_first_says_for_what(compute):
+    """A chat sent while a long labelled handler (a lab search) holds the thread yields a waiting
+    update first, naming it; one sent to an idle thread does not."""
+    started, release = threading.Event(), threading.Event()
+
+    def search():
+        started.set()
+        release.wait(10)
+        return "frontier"
+
+    def reply():
+        yield "token"
+
+    chat = compute.wrap(reply, label="a chat reply", waiting=lambda what: f"waiting for {what}")
+    assert list(chat()) == ["token"] and compute.busy_with() is None
+    lab = threading.Thread(target=lambda: out.append(compute.wrap(search, label="a topology-lab search")()))
+    out = []
+    lab.start()
+    assert started.wait(10)
+    assert compute.busy_with() == "a topology-lab search"
+    it = chat()
+    assert next(it) == "waiting for a topology-lab search"  # at once, while the search runs
+    release.set()
+    assert list(it) == ["token"]
+    lab.join()
+    assert out == ["frontier"] and compute.busy_with() is None
