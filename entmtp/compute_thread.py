@@ -94,8 +94,9 @@ class ComputeThread:
         wrapper queues the generator's close there. label: what `busy_with` says while `fn` runs
         (e.g. "a topology-lab search"). waiting(label) -> a first item a generator yields when it
         has to wait for another labelled handler, so its page says why nothing moves yet."""
-        step = self._labelled(label, next)
         if inspect.isgeneratorfunction(fn):
+            step = self._labelled(label, next)
+
             @functools.wraps(fn)
             def steps(*args, **kwargs):
                 gen = fn(*args, **kwargs)  # runs none of its code yet

@@ -326,11 +326,14 @@ def build_demo() -> gr.Blocks:
         # handlers that run a model run on the one compute thread (`compute_thread`: one OpenMP
         # team per process); the others (pickers, replay, Stop, Clear) run in gradio's workers
         on_compute = COMPUTE.wrap
+        load_on_compute = on_compute(load_model_ui, "loading a model")
+        machine_on_compute = on_compute(machine_view, "the machine profile")
+        chat_on_compute = on_compute(chat, "a chat reply", chat_waiting)
         pickers = [model_md, model_dd, ch["method"], ch["tree"], ch["sched"], lb["heads"]]
-        load_btn.click(on_compute(load_model_ui, "loading a model"), [model_dd, ch["method"]], pickers, api_name="load_model",
+        load_btn.click(load_on_compute, [model_dd, ch["method"]], pickers, api_name="load_model",
                        concurrency_id="load", concurrency_limit=2)
-        demo.load(on_compute(load_model_ui, "loading a model"), [model_dd, ch["method"]], pickers, api_visibility="private",
-                  concurrency_id="load").then(on_compute(machine_view, "the machine profile"), [model_dd], [mc["info"], mc["plot"]],
+        demo.load(load_on_compute, [model_dd, ch["method"]], pickers, api_visibility="private",
+                  concurrency_id="load").then(machine_on_compute, [model_dd], [mc["info"], mc["plot"]],
                                               api_visibility="private")
         ch["method"].input(method_changed, [ch["method"], model_dd], [ch["sched"], ch["tree"]],
                            api_visibility="private", concurrency_limit=None)
@@ -339,8 +342,8 @@ def build_demo() -> gr.Blocks:
                    ch["top_p"], ch["max_new"], ch["color_by"]]
         chat_out = [ch["chatbot"], ch["msg"], ch["tree_plot"], ch["strip"], ch["step_plot"], ch["stats"],
                     ch["notices"], ch["slider"]]
-        ch["send"].click(on_compute(chat, "a chat reply", chat_waiting), chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
-        ch["msg"].submit(on_compute(chat, "a chat reply", chat_waiting), chat_in, chat_out, api_visibility="private", concurrency_id="gen")
+        ch["send"].click(chat_on_compute, chat_in, chat_out, api_name="chat", concurrency_id="gen", concurrency_limit=2)
+        ch["msg"].submit(chat_on_compute, chat_in, chat_out, api_visibility="private", concurrency_id="gen")
         # Stop and Clear reach the running reply itself (ui_chat.RUNS): it ends at its next step
         ch["stop"].click(stop_chat, None, None, api_visibility="private", concurrency_limit=None)
         ch["clear"].click(clear_chat, None, [ch["chatbot"], ch["tree_plot"], ch["strip"], ch["step_plot"],
@@ -372,5 +375,5 @@ def build_demo() -> gr.Blocks:
                                           lb["prompts"], lb["new"]],
                               [lb["score_md"], lb["score_plot"], ch["tree"]], api_name="lab_score",
                               concurrency_id="lab")
-        mc["btn"].click(on_compute(machine_view, "the machine profile"), [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
+        mc["btn"].click(machine_on_compute, [model_dd], [mc["info"], mc["plot"]], api_name="machine", concurrency_limit=None)
     return demo

@@ -88,13 +88,15 @@ def served(prompt: str, n_new: int, repeats: int, via: str = "api", timeout_s: f
 
     port = _free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
-    log = open(ROOT / "runs" / "race_defaults_app.log", "w") if (ROOT / "runs").is_dir() else subprocess.DEVNULL
+    log_path = ROOT / "runs" / "race_defaults_app.log"
+    log = open(log_path, "w") if log_path.parent.is_dir() else subprocess.DEVNULL
     app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url, client, t0 = f"http://127.0.0.1:{port}/", None, time.monotonic()
         while client is None:
             if app.poll() is not None:
-                print(f"app.py exited with status {app.returncode} before serving")
+                print(f"app.py exited with status {app.returncode} before serving"
+                      + (f" (its output: {log_path})" if log is not subprocess.DEVNULL else ""))
                 return 1
             if time.monotonic() - t0 > timeout_s:
                 print(f"app.py did not serve within {timeout_s:.0f} s")
@@ -113,6 +115,8 @@ def served(prompt: str, n_new: int, repeats: int, via: str = "api", timeout_s: f
             app.wait(30)
         except subprocess.TimeoutExpired:
             app.kill()
+        if log is not subprocess.DEVNULL:
+            log.close()
 
 
 def in_process(prompt: str, n_new: int, repeats: int) -> int:
