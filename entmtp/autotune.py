@@ -35,7 +35,7 @@ from .lookup import chain_outcomes
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .threads import torch_threads
-from .trees import Tree
+from .trees import Tree, dumps_compact
 from .tuning import machine_dir, model_key
 
 ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
@@ -361,14 +361,30 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
 
 
 def bank_file(engine, heads: str) -> Optional[Path]:
-    """A file holding the tuned entropy bank (for code that loads banks by path), or None."""
+    """A file holding the tuned entropy bank (for code that loads banks by path), or None.
+
+    The file is rewritten whenever it differs from the tuned bank: a re-tune (`entmtp tune
+    --refresh`) may replace a bank with the static tree, and a file left from the earlier tune
+    would otherwise go on deciding every step."""
     t = tuned_trees(engine, heads)
     if t is None or t.bank is None:
         return None
     path = trees_path(engine, heads).with_suffix(".bank.json")
-    if not path.is_file():
+    text = dumps_compact(t.bank.to_json())
+    try:
+        if path.is_file() and path.read_text() == text:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
-        t.bank.save(path)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: a private copy, so the bank still holds in this process
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="entmtp-bank-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        path = Path(name)
     return path
 
 

@@ -368,3 +368,31 @@ def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
     assert list(heads[0].y) == pytest.approx([22.0, 24.0]) and list(heads[0].customdata) == pytest.approx([1.1, 1.2])
     alone = latency_figure({**prof, "kernel_trials": []})
     assert [list(t.y) for t in alone.data] == [pytest.approx([16.5, 18.0])] and "relative" not in alone.data[0].name
+
+
+def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
+    """A bank tuned earlier is written to a file the entropy scheduler loads; a re-tune that finds
+    no bank beats the static tree must replace that file, not leave the old bank deciding steps."""
+    from entmtp.calibrate import LatencyModel
+    from entmtp.methods import build_scheduler
+    from entmtp.scheduler import EntropyBucketScheduler
+    from entmtp.trees import Tree
+
+    model = tiny_model("llama", vocab=96, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    small, big = Tree.from_paths([[0], [1]], "small"), Tree.from_paths([[0], [1], [0, 0], [0, 0, 0]], "big")
+    latency = LatencyModel(0.01, {1: [(1, 0.011), (2, 0.012)]})
+
+    def cache(bank):
+        tuned = autotune.TunedTrees("hydra", big, 2.0, 1.5, latency, bank)
+        path = autotune.trees_path(eng, "hydra")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(tuned.to_json()))
+
+    cache(EntropyBucketScheduler({"small": small, "big": big}, [1.0], ["big", "small"]))
+    first = build_scheduler(eng, "hydra", "entmtp", progress=None)
+    assert sorted(t.name for t in first.trees) == ["big", "small"] and first.edges == [1.0]
+    cache(EntropyBucketScheduler({"big": big}, [], ["big"], meta={"fit": "static: no held-out gain"}))  # the re-tune
+    again = build_scheduler(eng, "hydra", "entmtp", progress=None)
+    assert [t.name for t in again.trees] == ["big"] and again.edges == []
+    assert json.loads(autotune.bank_file(eng, "hydra").read_text())["table"] == ["big"]
