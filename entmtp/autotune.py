@@ -428,7 +428,7 @@ def draft_lm_entry(runner) -> Optional[dict]:
     if runner.lm is None:
         return None
     ms = None if runner.lm_seconds is None else [round(s * 1e3, 3) for s in runner.lm_seconds]
-    return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms}
+    return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms, "int8_blocks": runner.int8_blocks}
 
 
 def draft_lm_words(d: Optional[dict]) -> str:
@@ -438,7 +438,8 @@ def draft_lm_words(d: Optional[dict]) -> str:
     what = "int8" if d["int8"] else "the kernels' own dtype"
     why = (f" ({d['ms'][1]:.2f} ms in int8 against {d['ms'][0]:.2f} ms for a 1-row and a 4-row call)"
            if d.get("ms") else "")
-    return f"drafts score {d['rows']} tokens through the lm_head in {what}{why}"
+    blocks = f"; the heads' {d['int8_blocks']} residual blocks in int8 too" if d.get("int8_blocks") else ""
+    return f"drafts score {d['rows']} tokens through the lm_head in {what}{why}{blocks}"
 
 
 def format_profile(p: dict) -> str:

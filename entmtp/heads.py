@@ -38,8 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import fp32_sdpa
-from .kernels import (can_pack, int8_draft_layer, kernel_options, pack_panels, packed_twin, seconds_per_call,
-                      shared_linear)
+from .kernels import (can_pack, int8_draft_layer, kernel_options, pack_panels, packed_twin, probe_ok,
+                      quantize_rows, seconds_per_call, shared_linear, twin_of, within_scale)
 from .trees import Tree
 from .hardware import cpu_isa, fast_bf16_matmul
 
@@ -150,6 +150,54 @@ class ResBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         res = x if self.res_connection is None else self.res_connection(x)
         return res + F.silu(self.linear(x))
+
+
+class Int8ResBlock(nn.Module):
+    """A `ResBlock` for drafting on int8 panels (`kernels.Int8PanelLinear`): W and R stacked as one
+    product, so x is read once and every weight is one byte instead of two; the SiLU and the sum in
+    float32, one rounding to x's dtype at the end. A draft step reads each head's weights once per
+    level, cold from memory after the base's forward, so their bytes are most of a level's time.
+    Drafts only: this moves which tokens are proposed at near-ties, never what is emitted.
+    forward(x [..., in]) -> [..., h] in x's dtype."""
+
+    claim = "within bf16 rounding of the block with its int8 weights"
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        return isinstance(mod, ResBlock) and mod.linear.bias is not None
+
+    def __init__(self, block: ResBlock):
+        super().__init__()
+        lin, res = block.linear, block.res_connection
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight  # a parameter, so that probes see the dtype
+        stacked = lin.weight if res is None else torch.cat([lin.weight, res.weight])
+        self.product = int8_draft_layer(stacked.detach())
+        if self.product is None:
+            raise ValueError("entmtp's int8 panels do not run here")
+        biases = [lin.bias] + ([] if res is None else [res.bias if res.bias is not None else torch.zeros_like(lin.bias)])
+        self.bias = torch.cat([b.detach().float() for b in biases])
+        self.has_res = res is not None
+        self.__dict__["_reference"] = block  # the replaced block, for `matches` (not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out_features
+        y = self.product(x) + self.bias  # [..., h or 2h] float32
+        res = y[..., h:] if self.has_res else x.float()
+        return (res + F.silu(y[..., :h])).to(x.dtype)
+
+    def matches(self, x: torch.Tensor) -> bool:
+        """x [r, in]: this within bf16 rounding of the replaced block computed exactly in float32
+        with its weights rounded to int8 (`kernels.quantize_rows`)."""
+        block = self._reference
+
+        def exact(lin: nn.Module) -> torch.Tensor:
+            q, scales = quantize_rows(lin.weight)
+            return F.linear(x.float(), q.float() * scales[:, None], None if lin.bias is None else lin.bias.float())
+
+        res = x.float() if block.res_connection is None else exact(block.res_connection)
+        ref = res + F.silu(exact(block.linear))
+        return within_scale(self(x).float(), ref, 2.0 ** -7)
 
 
 class RMSNorm(nn.Module):
@@ -303,12 +351,24 @@ class FusedPrefixLayer(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.norms = [(n.weight, float(n.eps)) for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.norm)]
         self.weight = layer.q_proj.weight  # a parameter, so that probes see the dtype
+        self._pack(layer)
+        self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
+
+    def _pack(self, layer: PrefixLayer) -> None:
+        """The layer's weights for `_sums` and `_add`: q|k|v, o, gate|up and down as panels."""
         cat = lambda *ls: torch.cat([m.weight.detach() for m in ls])  # noqa: E731
         self.qkv = pack_panels(cat(layer.q_proj, layer.k_proj, layer.v_proj))
         self.o = pack_panels(layer.o_proj.weight, fp32_input=True)
         self.gate_up = pack_panels(cat(layer.gate_proj, layer.up_proj))
         self.down = pack_panels(layer.down_proj.weight, fp32_input=True)
-        self.__dict__["_reference"] = layer  # the replaced layer, for `matches` (not a submodule)
+
+    def _sums(self, x: torch.Tensor, which: str, n: int) -> torch.Tensor:
+        """x [..., in] through the packed weight `which` -> the float32 sums [..., n]."""
+        return torch.ops.entmtp_cpu.bf16_panels_linear(x, getattr(self, which), n, None, True)
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor, which: str) -> torch.Tensor:
+        """x [..., h] bf16 + x' W_which.T, rounded to bf16 once."""
+        return x + torch.ops.entmtp_cpu.bf16_panels_linear(y, getattr(self, which), x.shape[-1], None, False)
 
     def forward(self, x: torch.Tensor, state: Optional[PrefixState] = None) -> torch.Tensor:
         if state is None or state.dtype != torch.float32:
@@ -318,21 +378,25 @@ class FusedPrefixLayer(nn.Module):
         (w1, e1), (w2, e2), (w3, e3) = self.norms
         ang = torch.arange(state.length, state.length + T, dtype=torch.float32)[:, None] * self._reference.inv_freq(x.device)[None]
         ang = torch.cat([ang, ang], -1).expand(B, T, -1)  # [B, T, d], the half-split convention of `_rope`
-        qkv = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w1, e1), self.qkv, self.qkv_width, None, True)
+        qkv = self._sums(ops.bf16_rms_norm(x, w1, e1), "qkv", self.qkv_width)
         q, k, v = ops.rope_split(qkv, ang.cos(), ang.sin(), self.n_heads, self.n_kv)
         k, v = state.append(k, v)
         att = ops.attend(q, k, v, None, True, self.scale)  # [B, T, H, d]; row i sees keys <= past + i
-        x = x + ops.bf16_panels_linear(att.reshape(B, T, -1), self.o, h, None, False)
-        gu = ops.bf16_panels_linear(ops.bf16_rms_norm(x, w2, e2), self.gate_up, 2 * self.inter, None, True)
-        x = x + ops.bf16_panels_linear(ops.silu_mul(gu), self.down, h, None, False)
+        x = self._add(x, att.reshape(B, T, -1), "o")
+        gu = self._sums(ops.bf16_rms_norm(x, w2, e2), "gate_up", 2 * self.inter)
+        x = self._add(x, ops.silu_mul(gu), "down")
         return ops.bf16_rms_norm(x, w3, e3)
+
+    def _exact_copy(self) -> nn.Module:
+        """The replaced layer in float32: what this computes up to its roundings."""
+        return copy.deepcopy(self._reference).float()
 
     def matches(self, x: torch.Tensor) -> bool:
         """x [r, h]: all but the last 3 rows as a prompt, then the rest as one continuation, through
         this, the replaced layer and an exact float32 copy of it (each with its own float32 state):
         this within bf16 rounding of the copy, the layer within its own roundings of it."""
         split = max(1, x.shape[0] - 3)
-        exact_layer = copy.deepcopy(self._reference).float()
+        exact_layer = self._exact_copy()
         outs = []
         for mod, dtype in ((self, x.dtype), (self._reference, x.dtype), (exact_layer, torch.float32)):
             state = PrefixState(dtype=torch.float32)
@@ -341,6 +405,46 @@ class FusedPrefixLayer(nn.Module):
         ours, layer, exact = outs
         tol = 2.0 ** -8 * exact.abs().max().clamp_min(1e-30)
         return bool((ours - exact).abs().max() <= 4 * tol and (layer - exact).abs().max() <= 32 * tol)
+
+
+class Int8PrefixLayer(FusedPrefixLayer):
+    """`FusedPrefixLayer` with its four products on the int8 panels (`kernels.Int8PanelLinear`: one
+    byte a weight, a float32 scale per output row): the layer's weights are read once a decoding
+    step, cold after the base's forward, so their bytes are most of its time. Drafts only.
+    Within bf16 rounding of the exact float32 layer whose weights are rounded to int8 (probed)."""
+
+    claim = "within bf16 rounding of the exact Hydra++ layer with its weights in int8"
+
+    @staticmethod
+    def fits(mod: nn.Module) -> bool:
+        return isinstance(mod, FusedPrefixLayer) and not isinstance(mod, Int8PrefixLayer)
+
+    def __init__(self, fused: FusedPrefixLayer):
+        super().__init__(fused._reference)
+
+    def _pack(self, layer: PrefixLayer) -> None:
+        cat = lambda *ls: torch.cat([m.weight.detach() for m in ls])  # noqa: E731
+        products = {"qkv": cat(layer.q_proj, layer.k_proj, layer.v_proj), "o": layer.o_proj.weight.detach(),
+                    "gate_up": cat(layer.gate_proj, layer.up_proj), "down": layer.down_proj.weight.detach()}
+        for name, w in products.items():
+            product = int8_draft_layer(w)
+            if product is None:
+                raise ValueError("entmtp's int8 panels do not run here")
+            setattr(self, name, product)
+
+    def _sums(self, x: torch.Tensor, which: str, n: int) -> torch.Tensor:
+        return getattr(self, which)(x)
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor, which: str) -> torch.Tensor:
+        return (x.float() + getattr(self, which)(y)).to(x.dtype)
+
+    def _exact_copy(self) -> nn.Module:
+        exact = super()._exact_copy()
+        with torch.no_grad():
+            for lin in (exact.q_proj, exact.k_proj, exact.v_proj, exact.o_proj, exact.gate_proj, exact.up_proj, exact.down_proj):
+                q, scales = quantize_rows(lin.weight)
+                lin.weight.copy_(q.float() * scales[:, None])
+        return exact
 
 
 def chain_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, allow: Optional[torch.Tensor],
@@ -613,6 +717,19 @@ def draft_lm_timings(lm: nn.Module, int8: nn.Module, dtype: torch.dtype, kernels
     return _DRAFT_LM_TIMINGS[key]
 
 
+def _int8_blocks(mod: nn.Module) -> Optional[nn.Module]:
+    """`twin_of`'s replacement: a `ResBlock` or fused Hydra++ layer on the int8 panels where its
+    probe passes, else kept."""
+    for cls in (Int8ResBlock, Int8PrefixLayer):
+        if cls.fits(mod):
+            try:
+                new = cls(mod)
+            except ValueError:
+                return None
+            return new if probe_ok(new, getattr(new, "probe_rows", (1, 7))) else None
+    return None
+
+
 class HeadRunner:
     """Draft heads bound to one base model, for inference. Shared read-only across requests.
 
@@ -624,14 +741,16 @@ class HeadRunner:
     """
 
     def __init__(self, heads: DraftHeads, model: nn.Module, draft_dtype: str | torch.dtype = "auto",
-                 kernels: str = "auto", lm_int8: Optional[bool] = None):
+                 kernels: str = "auto", lm_int8: Optional[bool] = None, int8_blocks: Optional[bool] = None):
         """kernels: "auto"/"packed" run the heads' linears prepacked on CPU where the probes pass
         (`entmtp.kernels`: bf16 drafts bit-identical to the stock ones, fp32 within rounding;
         drafts are verified either way), "stock" never.
         lm_int8: score drafts through the shared lm_head slice quantised to int8 (`Int8PanelLinear`):
         True where the panel kernels run, False never, None (ENTMTP_DRAFT_INT8=1/0 overrides) where
         it is measured faster here (`draft_lm_timings`, once per shape in a process) for a slice of
-        at least INT8_DRAFT_MIN_WEIGHTS weights, with the heads on a packed kernel set."""
+        at least INT8_DRAFT_MIN_WEIGHTS weights, with the heads on a packed kernel set.
+        int8_blocks: the heads' residual blocks on the int8 panels too (`Int8ResBlock`); None: with
+        the slice (the same trade of bytes for widening, measured once)."""
         self.heads = heads.eval()
         self.config = heads.config
         self.embed = model.get_input_embeddings()
@@ -688,10 +807,18 @@ class HeadRunner:
                     self.lm_seconds = draft_lm_timings(self.lm, int8, self.dtype, self.kernels)
                 if lm_int8 or self.lm_seconds[1] < self.lm_seconds[0]:
                     self.lm, self.lm_int8 = int8, True
+        if (self.lm_int8 if int8_blocks is None else int8_blocks) and self.kernels != "stock":
+            # the heads' own blocks on the same int8 panels
+            self.compute = twin_of(self.compute, _int8_blocks)
 
     @property
     def label(self) -> str:
         return self.config.label
+
+    @property
+    def int8_blocks(self) -> int:
+        """How many of the heads' residual blocks draft on the int8 panels (`Int8ResBlock`)."""
+        return sum(isinstance(m, Int8ResBlock) for m in self.compute.modules())
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -11,6 +11,8 @@ another and the plain loop can look 25% faster or slower than it is beside the t
 
 --draft-lm both runs every heads method twice, interleaved on the same trees: drafts scored through
 the lm_head slice in int8 ("<method> int8") and in the kernels' own dtype ("<method> own").
+--draft-lm blocks: both with the slice in int8, the heads' residual blocks in int8 ("<method> int8
+blocks") or in the kernels' own dtype ("<method> own blocks").
 """
 
 import argparse
@@ -32,8 +34,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=3, help="prompts")
     ap.add_argument("--repeats", type=int, default=2, help="runs of every (method, prompt), interleaved")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--draft-lm", choices=("auto", "both"), default="auto",
-                    help="auto: as measured at load; both: int8 and the kernels' own dtype side by side")
+    ap.add_argument("--draft-lm", choices=("auto", "both", "blocks"), default="auto",
+                    help="auto: as measured at load; both: int8 and the kernels' own dtype side by side; "
+                         "blocks: the heads' blocks in int8 and in the kernels' own dtype, the slice in int8")
     a = ap.parse_args()
     if a.n < 1 or a.repeats < 1:
         ap.error("--n and --repeats must be at least 1")
@@ -42,19 +45,21 @@ def main() -> int:
     _, prompts = load_bench_prompts(BenchConfig(per_category=1))
     ids = [i for _, i in encode_prompts(engine, prompts[: a.n])]
     runners = {m: make_runner(engine, m, a.max_new_tokens, progress=None) for m in methods}
-    if a.draft_lm == "both":
+    if a.draft_lm != "auto":
         variants = {}
         for int8 in (True, False):
             twin = copy.copy(engine)  # the same model, kernels and tuned trees; other head runners
-            twin.runners = {k: HeadRunner(r.heads, engine.model, kernels=engine.kernels, lm_int8=int8)
+            how = {"lm_int8": int8} if a.draft_lm == "both" else {"lm_int8": True, "int8_blocks": int8}
+            twin.runners = {k: HeadRunner(r.heads, engine.model, kernels=engine.kernels, **how)
                             for k, r in engine.runners.items()}
             variants[int8] = twin
+        tags = ("int8", "own") if a.draft_lm == "both" else ("int8 blocks", "own blocks")
         runners = {}
         for m in list(methods):
             if method_heads(m, engine=engine) is None:
                 runners[m] = make_runner(engine, m, a.max_new_tokens, progress=None)
                 continue
-            for int8, tag in ((True, "int8"), (False, "own")):
+            for int8, tag in zip((True, False), tags):
                 runners[f"{m} {tag}"] = make_runner(variants[int8], m, a.max_new_tokens, progress=None)
         methods = list(runners)
     for run in runners.values():

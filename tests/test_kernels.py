@@ -1037,9 +1037,15 @@ def test_int8_draft_lm_head_is_chosen_by_measurement_and_decoding_stays_lossless
         runner = heads_mod.HeadRunner(h, model)
         assert runner.lm_int8 is want and runner.lm_seconds == faster
         assert isinstance(runner.lm, kernels.Int8PanelLinear) is want
+        # with the slice, the heads' residual blocks: on the int8 panels too, or all left as they were
+        blocks = [m for m in runner.compute.modules() if isinstance(m, (heads_mod.ResBlock, heads_mod.Int8ResBlock))]
+        assert len(blocks) == len([m for m in h.modules() if isinstance(m, heads_mod.ResBlock)]) > 0
+        assert all(isinstance(m, heads_mod.Int8ResBlock) is want for m in blocks)
         entry = draft_lm_entry(runner)  # what `entmtp tune` and the Machine tab say
-        assert entry == {"int8": want, "rows": 96, "ms": [faster[0] * 1e3, faster[1] * 1e3]}
+        assert entry == {"int8": want, "rows": 96, "ms": [faster[0] * 1e3, faster[1] * 1e3],
+                         "int8_blocks": len(blocks) if want else 0}
         assert ("in int8 (" if want else "in the kernels' own dtype (") in draft_lm_words(entry)
+        assert ("residual blocks in int8" in draft_lm_words(entry)) is want
     monkeypatch.setattr(heads_mod, "draft_lm_timings", lambda *a: (2e-3, 1e-3))
     assert not heads_mod.HeadRunner(h, model, kernels="stock").lm_int8  # stock asked for: stock drafts
     monkeypatch.setenv("ENTMTP_DRAFT_INT8", "0")
@@ -1060,3 +1066,65 @@ def test_int8_draft_lm_head_is_chosen_by_measurement_and_decoding_stays_lossless
     engine = Engine(model, heads={kind: h}, kernels="panels")
     assert engine.runners[kind].lm_int8
     assert_lossless_and_near_stock(engine, Engine(model, kernels="stock"), model, kind, tree)
+
+
+@needs_panels
+@pytest.mark.parametrize("hydra_input", [False, True])
+def test_int8_residual_blocks_draft_what_their_int8_weights_compute(hydra_input):
+    """A head's residual block on the int8 panels: within bf16 rounding of the same block computed
+    exactly with its int8 weights (W and R stacked in one product; R the identity for a square
+    block), each row alone; and close to the bf16 block it replaces."""
+    from entmtp.heads import Int8ResBlock, ResBlock
+
+    torch.manual_seed(3)
+    h = 64
+    block = ResBlock(3 * h if hydra_input else h, h)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    block = block.to(torch.bfloat16)
+    fast = Int8ResBlock(block)
+    assert fast.has_res is hydra_input and kernels.probe_ok(fast)
+    x = torch.randn(9, block.linear.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = fast(x)
+        alone = torch.cat([fast(x[i:i + 1]) for i in range(9)])
+        ref = block(x).float()
+    assert y.dtype == torch.bfloat16 and y.shape == (9, h) and torch.equal(y, alone)
+    assert fast.matches(x)
+    assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()  # int8 weights: drafts move at near-ties only
+    fast.bias = fast.bias + 1.0  # a block that computes something else fails its probe
+    assert not fast.matches(x)
+
+
+@needs_panels
+def test_int8_prefix_layer_is_the_hydrapp_layer_with_int8_weights(panels_only):
+    """With the drafts on int8 panels, the Hydra++ layer's four products are too: within bf16
+    rounding of the exact float32 layer whose weights are rounded to int8, over a prompt and
+    continuations; a layer computing something else fails the probe."""
+    from entmtp.heads import FusedPrefixLayer, HeadRunner, Int8PrefixLayer, PrefixState
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=7)
+    heads = random_heads(model, "hydra", num_heads=3, prefix=True)
+    runner = HeadRunner(heads, model, kernels="auto", lm_int8=True)
+    assert isinstance(runner.compute.prefix, Int8PrefixLayer) and runner.int8_blocks == 3
+    assert isinstance(HeadRunner(heads, model, kernels="auto", lm_int8=True, int8_blocks=False).compute.prefix,
+                      FusedPrefixLayer)
+    exact = runner.compute.prefix._exact_copy()
+    for name in ("q_proj", "down_proj"):  # the copy's weights are the int8 ones, not the layer's own
+        assert not torch.equal(getattr(exact, name).weight, getattr(heads.prefix, name).weight.float())
+    h = model.config.hidden_size
+    hidden, more = torch.randn(9, h).to(torch.bfloat16), torch.randn(3, h).to(torch.bfloat16)
+    with torch.inference_mode():
+        st, f = runner.start(hidden)
+        se = PrefixState(dtype=torch.float32)
+        fe = exact(hidden.float()[None], se)[0, -1]
+        pairs = [(f, fe)]
+        for new in (more[:1], more):
+            pairs.append((runner.advance(st, new, new[-1]), exact(new.float()[None], se)[0, -1]))
+        for ours, theirs in pairs:
+            assert ours.dtype == torch.bfloat16
+            assert (ours.float() - theirs).abs().max() <= 4 * 2.0 ** -8 * theirs.abs().max()
+        bad = Int8PrefixLayer(runner.compute.prefix)
+        bad.down = kernels.int8_draft_layer(heads.prefix.down_proj.weight.detach() * 2)
+        assert not kernels.probe_ok(bad, rows=(2, 7))
