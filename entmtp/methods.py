@@ -324,7 +324,10 @@ class Runner:
             return self.method.label
 
         def policy(p: sched.Scheduler) -> str:
-            return p.trees[0].name if type(p) is sched.Scheduler and len(p.trees) == 1 else f"{p.name} scheduler"
+            if len(p.trees) == 1 and type(p) in (sched.Scheduler, sched.EntropyBucketScheduler):
+                # a one-bucket bank: the tune found no bank that beats the static tree here
+                return p.trees[0].name + (" (entropy scheduler, one bucket)" if p.name == "entropy" else "")
+            return f"{p.name} scheduler"
 
         what = policy(s)
         if isinstance(s, sched.ContextSwitch):

@@ -567,6 +567,8 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
             raise AppError(f"scheduler {sched_name}: {error_message(exc)}") from None
         notes.append(f"entmtp runs {heads} with the static tree {tree.name}: {error_message(exc)}")
         return heads, Scheduler(tree), f"entmtp ({heads}, static {tree.name})"
+    if sched_name == "entropy" and len(sched.trees) == 1:  # the tune found no bank that beats the static tree
+        return heads, sched, f"{method} · {sched.trees[0].name} (entropy scheduler, one bucket)"
     return heads, sched, f"{method} · {sched_name} scheduler"
 
 

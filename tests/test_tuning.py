@@ -396,3 +396,6 @@ def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
     again = build_scheduler(eng, "hydra", "entmtp", progress=None)
     assert [t.name for t in again.trees] == ["big"] and again.edges == []
     assert json.loads(autotune.bank_file(eng, "hydra").read_text())["table"] == ["big"]
+    from entmtp.methods import make_runner
+
+    assert "big (entropy scheduler, one bucket)" in make_runner(eng, "entmtp", 8, progress=None).label
