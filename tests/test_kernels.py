@@ -1128,3 +1128,66 @@ def test_int8_prefix_layer_is_the_hydrapp_layer_with_int8_weights(panels_only):
         bad = Int8PrefixLayer(runner.compute.prefix)
         bad.down = kernels.int8_draft_layer(heads.prefix.down_proj.weight.detach() * 2)
         assert not kernels.probe_ok(bad, rows=(2, 7))
+
+
+class DoubledResidualLayer(torch.nn.Module):
+    """A decoder layer with a pre-norm layer's children and another formula (x + 2 mlp(...))."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.__dict__.update({k: v for k, v in layer.__dict__.items() if k != "_modules"})
+        self._modules = dict(layer._modules)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        a, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, cache=cache)
+        x = hidden_states + a
+        return x + 2 * self.mlp(self.post_attention_layernorm(x))
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lean_decoder_layers_decode_exactly_as_the_layers_own_forward(panels_only, dtype):
+    """The decoding twin's decoder layers get a forward that calls their children directly: the
+    twin decodes and records hidden states bit for bit as with the layers' own forward (plain and
+    tree steps with heads), the model itself keeps transformers' class; a layer computing another
+    formula, or whose children carry hooks, keeps its own forward."""
+    import transformers
+
+    model = tiny_model("llama", vocab=96, dtype=dtype, seed=5)
+    engine = Engine(model, heads={"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="panels")
+    layers = list(engine.decode_model.model.layers)
+    assert all(type(m).__name__ == "LeanLlamaDecoderLayer" for m in layers)
+    assert all(isinstance(m, transformers.models.llama.modeling_llama.LlamaDecoderLayer) for m in layers)
+    assert all(type(m) is transformers.models.llama.modeling_llama.LlamaDecoderLayer for m in model.model.layers)
+    tree = resolve_tree("mc_sim_7b_63").truncated(3)
+    prompt = [5, 9, 11, 5, 9, 30, 31]
+    ids = torch.tensor([prompt])
+    lean_class, own_class = type(layers[0]), type(layers[0]).__mro__[1]
+    results = []
+    for cls in (lean_class, own_class):
+        for m in layers:
+            m.__class__ = cls
+        with torch.inference_mode():
+            out = engine.decode_model(input_ids=ids, output_hidden_states=True)
+        results.append((engine.run(prompt, config=DecodeConfig(max_new_tokens=24)).tokens,
+                        engine.run(prompt, heads="hydra", tree=tree, config=DecodeConfig(max_new_tokens=24)).tokens,
+                        out.logits, out.hidden_states))
+    for m in layers:
+        m.__class__ = lean_class
+    (plain, spec, logits, hidden), (plain0, spec0, logits0, hidden0) = results
+    assert plain == plain0 and spec == spec0 == plain and torch.equal(logits, logits0)
+    assert len(hidden) == len(hidden0) == 3 and all(torch.equal(a, b) for a, b in zip(hidden, hidden0))
+    # another formula with the same children: the probe keeps its own forward
+    other = tiny_model("llama", vocab=96, dtype=dtype, seed=5)
+    other.model.layers[0] = DoubledResidualLayer(other.model.layers[0])
+    twin = kernels.decode_model(other, "panels")[0]
+    assert type(twin.model.layers[0]) is DoubledResidualLayer
+    assert type(twin.model.layers[1]).__name__ == "LeanLlamaDecoderLayer"
+    # children with hooks (accelerate's device placement, say) must be called as modules
+    # (here on a throwaway model's stock layers, which the probe passes as they are)
+    hooked = tiny_model("llama", vocab=96, dtype=dtype, seed=5)
+    hooked.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: None)
+    assert kernels.lean_decoder_layers(hooked) == 1
+    assert [type(m).__name__ for m in hooked.model.layers] == ["LeanLlamaDecoderLayer", "LlamaDecoderLayer"]
