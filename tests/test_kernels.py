@@ -1186,7 +1186,7 @@ def test_lean_decoder_layers_decode_exactly_as_the_layers_own_forward(panels_onl
     assert type(twin.model.layers[0]) is DoubledResidualLayer
     assert type(twin.model.layers[1]).__name__ == "LeanLlamaDecoderLayer"
     # children with hooks (accelerate's device placement, say) must be called as modules
-    # (here on a throwaway model's stock layers, which the probe passes as they are)
+    # (here on a spare model's stock layers, which the probe passes as they are)
     hooked = tiny_model("llama", vocab=96, dtype=dtype, seed=5)
     hooked.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: None)
     assert kernels.lean_decoder_layers(hooked) == 1
