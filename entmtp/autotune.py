@@ -18,6 +18,7 @@ pays there is switched to from the context where it starts to (`tune_long_contex
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -146,6 +147,23 @@ def shipped_stats(runner) -> Optional[CalibrationStats]:
         return CalibrationStats.from_json(json.load(f), str(path))
 
 
+# the engine code a step's time depends on besides the kernel library (whose version names the
+# machine directory): fused modules, drafting, the loop's bookkeeping, the cache
+STEP_SOURCES = ("kernels.py", "heads.py", "decoding.py", "verify.py", "kvcache.py", "attention.py", "lookup.py")
+
+
+@functools.lru_cache(maxsize=None)
+def engine_code_id(sources: tuple[str, ...] = STEP_SOURCES) -> str:
+    """A short hash of the engine's step code (`STEP_SOURCES`): tree timings taken with another
+    version (int8 drafts, a leaner layer) are measured again rather than trusted."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in sources:
+        path = here / name
+        h.update(name.encode() + (path.read_bytes() if path.is_file() else b""))
+    return h.hexdigest()[:8]
+
+
 def _heads_id(runner) -> str:
     cfg = json.dumps(runner.config.to_dict(), sort_keys=True, default=str)
     created = str((getattr(runner.heads, "meta", {}) or {}).get("created", ""))
@@ -163,7 +181,7 @@ def decoding_threads(engine) -> Optional[int]:
 
 
 def trees_path(engine, heads: str) -> Path:
-    """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>[-t<threads>].json`.
+    """`tuning.machine_dir()/trees-<model>-<dtype>-<kernels>-<heads>-<id>[-t<threads>]-p<protocol>-e<code>.json`.
 
     On a CPU the step latencies the trees are chosen by depend on the torch threads decoding runs
     with (a tree's extra rows are arithmetic, which a second thread halves; a one-row step is
@@ -173,7 +191,8 @@ def trees_path(engine, heads: str) -> Path:
     n = decoding_threads(engine)
     threads = f"-t{n}" if n else ""
     name = (f"trees-{key['architecture']}-{key['config']}-{key['dtype']}-{engine.kernels}-{label}-"
-            f"{_heads_id(engine.runners[heads])}{threads}-p{LATENCY_PROTOCOL}.json")  # remeasured when the timing protocol changes
+            f"{_heads_id(engine.runners[heads])}{threads}-p{LATENCY_PROTOCOL}-e{engine_code_id()}.json")
+    # remeasured when the timing protocol or the engine's step code changes
     return machine_dir(engine.device) / name
 
 
@@ -388,7 +407,7 @@ def bank_file(engine, heads: str) -> Optional[Path]:
     return path
 
 
-__all__ = ["ACCEPTANCE_FILE", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:

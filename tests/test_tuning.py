@@ -399,3 +399,29 @@ def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
     from entmtp.methods import make_runner
 
     assert "big (entropy scheduler, one bucket)" in make_runner(eng, "entmtp", 8, progress=None).label
+
+
+def test_tuned_trees_are_measured_again_when_the_step_code_changes(tuning_on, tmp_path, monkeypatch):
+    """The trees' cache file is named by a hash of the engine's step code besides the kernel
+    library's: timings taken before (say) drafts went int8 are not trusted after."""
+    model = tiny_model("llama", vocab=96, dtype=torch.float32, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    assert f"-e{autotune.engine_code_id()}.json" in autotune.trees_path(eng, "hydra").name
+    assert len(autotune.STEP_SOURCES) >= 5
+    pkg = Path(autotune.__file__).parent
+    assert all((pkg / name).is_file() for name in autotune.STEP_SOURCES)
+    copy_dir = tmp_path / "pkg"
+    copy_dir.mkdir()
+    for name in autotune.STEP_SOURCES:
+        (copy_dir / name).write_bytes((pkg / name).read_bytes())
+    monkeypatch.setattr(autotune, "__file__", str(copy_dir / "autotune.py"))
+    autotune.engine_code_id.cache_clear()
+    try:
+        same = autotune.engine_code_id()
+        (copy_dir / "heads.py").write_text((pkg / "heads.py").read_text() + "\n# changed\n")
+        autotune.engine_code_id.cache_clear()
+        assert autotune.engine_code_id() != same
+    finally:
+        monkeypatch.undo()
+        autotune.engine_code_id.cache_clear()
+    assert autotune.engine_code_id() == same  # the copy was the package's code, byte for byte
