@@ -156,7 +156,7 @@ class Int8ResBlock(nn.Module):
     """A `ResBlock` for drafting on int8 panels (`kernels.Int8PanelLinear`): W and R stacked as one
     product, so x is read once and every weight is one byte instead of two; the SiLU and the sum in
     float32, one rounding to x's dtype at the end. A draft step reads each head's weights once per
-    level, cold from memory after the base's forward, so their bytes are most of a level's time.
+    level, cold from memory after the base's forward, so their bytes are a large part of its time.
     Drafts only: this moves which tokens are proposed at near-ties, never what is emitted.
     forward(x [..., in]) -> [..., h] in x's dtype."""
 
@@ -410,7 +410,7 @@ class FusedPrefixLayer(nn.Module):
 class Int8PrefixLayer(FusedPrefixLayer):
     """`FusedPrefixLayer` with its four products on the int8 panels (`kernels.Int8PanelLinear`: one
     byte a weight, a float32 scale per output row): the layer's weights are read once a decoding
-    step, cold after the base's forward, so their bytes are most of its time. Drafts only.
+    step, cold after the base's forward, and their bytes are about a third of its time. Drafts only.
     Within bf16 rounding of the exact float32 layer whose weights are rounded to int8 (probed)."""
 
     claim = "within bf16 rounding of the exact Hydra++ layer with its weights in int8"
