@@ -1185,9 +1185,13 @@ def test_lean_decoder_layers_decode_exactly_as_the_layers_own_forward(panels_onl
     twin = kernels.decode_model(other, "panels")[0]
     assert type(twin.model.layers[0]) is DoubledResidualLayer
     assert type(twin.model.layers[1]).__name__ == "LeanLlamaDecoderLayer"
-    # children with hooks (accelerate's device placement, say) must be called as modules
-    # (here on a spare model's stock layers, which the probe passes as they are)
-    hooked = tiny_model("llama", vocab=96, dtype=dtype, seed=5)
-    hooked.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: None)
-    assert kernels.lean_decoder_layers(hooked) == 1
-    assert [type(m).__name__ for m in hooked.model.layers] == ["LeanLlamaDecoderLayer", "LlamaDecoderLayer"]
+    # children with hooks (accelerate's device placement, a hook added to watch attention) are
+    # called as modules, so their hooks fire, with the same tokens
+    seen = []
+    hook = layers[1].self_attn.register_forward_pre_hook(lambda mod, args: seen.append(1))
+    try:
+        assert engine.run(prompt, config=DecodeConfig(max_new_tokens=24)).tokens == plain and len(seen) >= 24
+    finally:
+        hook.remove()
+    # a spare model's stock layers pass the probe as they are
+    assert kernels.lean_decoder_layers(tiny_model("llama", vocab=96, dtype=dtype, seed=5)) == 2
