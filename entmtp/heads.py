@@ -410,7 +410,7 @@ class FusedPrefixLayer(nn.Module):
 class Int8PrefixLayer(FusedPrefixLayer):
     """`FusedPrefixLayer` with its four products on the int8 panels (`kernels.Int8PanelLinear`: one
     byte a weight, a float32 scale per output row): the layer's weights are read once a decoding
-    step, cold after the base's forward, and their bytes are about a third of its time. Drafts only.
+    step, cold after the base's forward, so their bytes are part of its time. Drafts only.
     Within bf16 rounding of the exact float32 layer whose weights are rounded to int8 (probed)."""
 
     claim = "within bf16 rounding of the exact Hydra++ layer with its weights in int8"
