@@ -447,7 +447,9 @@ def draft_lm_entry(runner) -> Optional[dict]:
     if runner.lm is None:
         return None
     ms = None if runner.lm_seconds is None else [round(s * 1e3, 3) for s in runner.lm_seconds]
-    return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms, "int8_blocks": runner.int8_blocks}
+    prefix = getattr(runner.compute, "prefix", None)
+    return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms, "int8_blocks": runner.int8_blocks,
+            "int8_prefix": type(prefix).__name__ == "Int8PrefixLayer"}
 
 
 def draft_lm_words(d: Optional[dict]) -> str:
@@ -457,7 +459,8 @@ def draft_lm_words(d: Optional[dict]) -> str:
     what = "int8" if d["int8"] else "the kernels' own dtype"
     why = (f" ({d['ms'][1]:.2f} ms in int8 against {d['ms'][0]:.2f} ms for a 1-row and a 4-row call)"
            if d.get("ms") else "")
-    blocks = f"; the heads' {d['int8_blocks']} residual blocks in int8 too" if d.get("int8_blocks") else ""
+    layer = " and the Hydra++ layer" if d.get("int8_prefix") else ""
+    blocks = f"; the heads' {d['int8_blocks']} residual blocks{layer} in int8 too" if d.get("int8_blocks") else ""
     return f"drafts score {d['rows']} tokens through the lm_head in {what}{why}{blocks}"
 
 

@@ -1043,7 +1043,7 @@ def test_int8_draft_lm_head_is_chosen_by_measurement_and_decoding_stays_lossless
         assert all(isinstance(m, heads_mod.Int8ResBlock) is want for m in blocks)
         entry = draft_lm_entry(runner)  # what `entmtp tune` and the Machine tab say
         assert entry == {"int8": want, "rows": 96, "ms": [faster[0] * 1e3, faster[1] * 1e3],
-                         "int8_blocks": len(blocks) if want else 0}
+                         "int8_blocks": len(blocks) if want else 0, "int8_prefix": False}
         assert ("in int8 (" if want else "in the kernels' own dtype (") in draft_lm_words(entry)
         assert ("residual blocks in int8" in draft_lm_words(entry)) is want
     monkeypatch.setattr(heads_mod, "draft_lm_timings", lambda *a: (2e-3, 1e-3))
@@ -1108,6 +1108,9 @@ def test_int8_prefix_layer_is_the_hydrapp_layer_with_int8_weights(panels_only):
     heads = random_heads(model, "hydra", num_heads=3, prefix=True)
     runner = HeadRunner(heads, model, kernels="auto", lm_int8=True)
     assert isinstance(runner.compute.prefix, Int8PrefixLayer) and runner.int8_blocks == 3
+    from entmtp.autotune import draft_lm_entry, draft_lm_words
+
+    assert "3 residual blocks and the Hydra++ layer in int8 too" in draft_lm_words(draft_lm_entry(runner))
     assert isinstance(HeadRunner(heads, model, kernels="auto", lm_int8=True, int8_blocks=False).compute.prefix,
                       FusedPrefixLayer)
     exact = runner.compute.prefix._exact_copy()
