@@ -36,7 +36,7 @@ from .lookup import chain_outcomes
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .threads import torch_threads
-from .trees import Tree, dumps_compact
+from .trees import Tree
 from .tuning import machine_dir, model_key
 
 ACCEPTANCE_FILE = "acceptance.json.gz"  # shipped in a heads directory (scripts/ship_acceptance.py)
@@ -379,35 +379,15 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
     return out
 
 
-def bank_file(engine, heads: str) -> Optional[Path]:
-    """A file holding the tuned entropy bank (for code that loads banks by path), or None.
-
-    The file is rewritten whenever it differs from the tuned bank: a re-tune (`entmtp tune
-    --refresh`) may replace a bank with the static tree, and a file left from the earlier tune
-    would otherwise go on deciding every step."""
+def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
+    """The entropy bank tuned for these heads here (a one-bucket bank of the static tree where no
+    bank paid), or None when nothing was tuned. Taken as an object, never through a file that an
+    earlier tune could have left behind."""
     t = tuned_trees(engine, heads)
-    if t is None or t.bank is None:
-        return None
-    path = trees_path(engine, heads).with_suffix(".bank.json")
-    text = dumps_compact(t.bank.to_json())
-    try:
-        if path.is_file() and path.read_text() == text:
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache: a private copy, so the bank still holds in this process
-        import tempfile
-
-        fd, name = tempfile.mkstemp(prefix="entmtp-bank-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        path = Path(name)
-    return path
+    return None if t is None else t.bank
 
 
-__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "bank_file"]
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank"]
 
 
 def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:
@@ -447,9 +427,8 @@ def draft_lm_entry(runner) -> Optional[dict]:
     if runner.lm is None:
         return None
     ms = None if runner.lm_seconds is None else [round(s * 1e3, 3) for s in runner.lm_seconds]
-    prefix = getattr(runner.compute, "prefix", None)
     return {"int8": runner.lm_int8, "rows": runner.lm_weight.shape[0], "ms": ms, "int8_blocks": runner.int8_blocks,
-            "int8_prefix": type(prefix).__name__ == "Int8PrefixLayer"}
+            "int8_prefix": runner.int8_prefix}
 
 
 def draft_lm_words(d: Optional[dict]) -> str:

@@ -152,6 +152,15 @@ class ResBlock(nn.Module):
         return res + F.silu(self.linear(x))
 
 
+def _int8_product(weight: torch.Tensor) -> nn.Module:
+    """weight [out, in] -> a bias-free drafting product on the int8 panels (`kernels.int8_draft_layer`);
+    ValueError where those do not run here."""
+    product = int8_draft_layer(weight.detach())
+    if product is None:
+        raise ValueError("entmtp's int8 panels do not run here")
+    return product
+
+
 class Int8ResBlock(nn.Module):
     """A `ResBlock` for drafting on int8 panels (`kernels.Int8PanelLinear`): W and R stacked as one
     product, so x is read once and every weight is one byte instead of two; the SiLU and the sum in
@@ -171,10 +180,7 @@ class Int8ResBlock(nn.Module):
         lin, res = block.linear, block.res_connection
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight = lin.weight  # a parameter, so that probes see the dtype
-        stacked = lin.weight if res is None else torch.cat([lin.weight, res.weight])
-        self.product = int8_draft_layer(stacked.detach())
-        if self.product is None:
-            raise ValueError("entmtp's int8 panels do not run here")
+        self.product = _int8_product(lin.weight if res is None else torch.cat([lin.weight, res.weight]))
         biases = [lin.bias] + ([] if res is None else [res.bias if res.bias is not None else torch.zeros_like(lin.bias)])
         self.bias = torch.cat([b.detach().float() for b in biases])
         self.has_res = res is not None
@@ -427,10 +433,7 @@ class Int8PrefixLayer(FusedPrefixLayer):
         products = {"qkv": cat(layer.q_proj, layer.k_proj, layer.v_proj), "o": layer.o_proj.weight.detach(),
                     "gate_up": cat(layer.gate_proj, layer.up_proj), "down": layer.down_proj.weight.detach()}
         for name, w in products.items():
-            product = int8_draft_layer(w)
-            if product is None:
-                raise ValueError("entmtp's int8 panels do not run here")
-            setattr(self, name, product)
+            setattr(self, name, _int8_product(w))
 
     def _sums(self, x: torch.Tensor, which: str, n: int) -> torch.Tensor:
         return getattr(self, which)(x)
@@ -819,6 +822,11 @@ class HeadRunner:
     def int8_blocks(self) -> int:
         """How many of the heads' residual blocks draft on the int8 panels (`Int8ResBlock`)."""
         return sum(isinstance(m, Int8ResBlock) for m in self.compute.modules())
+
+    @property
+    def int8_prefix(self) -> bool:
+        """Whether the Hydra++ layer drafts on the int8 panels (`Int8PrefixLayer`)."""
+        return isinstance(getattr(self.compute, "prefix", None), Int8PrefixLayer)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import scheduler as sched
-from .autotune import LOOKUP_LENGTH, bank_file, tuned_trees
+from .autotune import LOOKUP_LENGTH, tuned_bank, tuned_trees
 from .decoding import DecodeConfig, Engine, GenerationResult
 from .models import load_engine
 from .threads import default_threads, torch_threads
@@ -207,7 +207,7 @@ def build_scheduler(engine, heads: str, method: str = "hydra", *, tree: Optional
         policy = sched.Scheduler(t)
     else:
         policy = sched.make_scheduler(name, engine=engine, heads=heads, tree=t,
-                                      bank=bank_file(engine, heads) if bank is None and name == "entropy" else bank)
+                                      bank=tuned_bank(engine, heads) if bank is None and name == "entropy" else bank)
     if long is None:
         return policy
     # from the tuned switch on, the tree (bank, dynamic budget) tuned for long contexts
@@ -323,15 +323,9 @@ class Runner:
         if s is None:
             return self.method.label
 
-        def policy(p: sched.Scheduler) -> str:
-            if len(p.trees) == 1 and type(p) in (sched.Scheduler, sched.EntropyBucketScheduler):
-                # a one-bucket bank: the tune found no bank that beats the static tree here
-                return p.trees[0].name + (" (entropy scheduler, one bucket)" if p.name == "entropy" else "")
-            return f"{p.name} scheduler"
-
-        what = policy(s)
+        what = sched.policy_label(s)
         if isinstance(s, sched.ContextSwitch):
-            what = f"{policy(s.short)}, from {s.from_tokens} cached tokens {policy(s.long)}"
+            what = f"{sched.policy_label(s.short)}, from {s.from_tokens} cached tokens {sched.policy_label(s.long)}"
         extra = " + prompt lookup" if self.config is not None and self.config.lookup and self.method.name != "lookup" else ""
         return f"{self.method.label} · {what}{extra}"
 

@@ -305,8 +305,9 @@ SCHEDULERS = ("static", "ladder", "hysteresis", "entropy", "dynamic")
 
 
 def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree: Optional[Tree] = None,
-                   bank: Optional[str] = None, **kw) -> Scheduler:
-    """Build a scheduler by name: static, ladder, hysteresis, entropy, dynamic."""
+                   bank: str | Path | EntropyBucketScheduler | None = None, **kw) -> Scheduler:
+    """Build a scheduler by name: static, ladder, hysteresis, entropy, dynamic. bank: a bank file
+    or a bank itself (e.g. the one tuned on this machine)."""
     if name == "static":
         if tree is None:
             raise ValueError("the static scheduler needs a tree")
@@ -323,11 +324,11 @@ def make_scheduler(name: str, *, engine=None, heads: Optional[str] = None, tree:
     if name == "entropy":
         if bank is None:
             bank = default_bank_path(engine, heads)
-        return load_bank(bank)
+        return bank if isinstance(bank, EntropyBucketScheduler) else load_bank(bank)
     if name in ("ladder", "hysteresis"):
         # The seed's defaults: small / medium / large trees by the root's top-1 probability.
         if bank is not None:
-            b = load_bank(bank)
+            b = bank if isinstance(bank, EntropyBucketScheduler) else load_bank(bank)
             ordered = sorted(b.bank.values(), key=lambda t: t.n_nodes)
         else:
             ordered = [resolve_tree("chain_2"), resolve_tree("binary_2x2"), tree or resolve_tree("mc_sim_7b_63")]
@@ -356,6 +357,14 @@ def default_bank_path(engine, heads: Optional[str]) -> Path:
     if not name or not (TREES_DIR / name).is_file():
         raise TreeError(f"no entropy bank recorded for the {heads or 'loaded'} heads; fit one with `entmtp search` or pass --bank")
     return TREES_DIR / name
+
+
+def policy_label(p: Scheduler) -> str:
+    """A tree policy in a few words: a one-tree policy names its tree (a one-bucket entropy bank,
+    where the tune found no bank that beats the static tree, says so), others their scheduler."""
+    if len(p.trees) == 1 and type(p) in (Scheduler, EntropyBucketScheduler):
+        return p.trees[0].name + (" (entropy scheduler, one bucket)" if p.name == "entropy" else "")
+    return f"{p.name} scheduler"
 
 
 def as_scheduler(x) -> Optional[Scheduler]:

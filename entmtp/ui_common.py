@@ -422,11 +422,11 @@ def method_scheduler(method: str) -> str:
 
 
 def _bank(entry: "LoadedModel", heads: str):
-    """The entropy bank for `heads`: tuned on this machine, else the one the heads record."""
-    from .autotune import bank_file
+    """The entropy bank for `heads`: tuned on this machine, else the file the heads record."""
+    from .autotune import tuned_bank
     from .scheduler import default_bank_path
 
-    return bank_file(entry.engine, heads) or default_bank_path(entry.engine, heads)
+    return tuned_bank(entry.engine, heads) or default_bank_path(entry.engine, heads)
 
 
 def entropy_bank_problem(entry: "LoadedModel") -> Optional[str]:
@@ -542,7 +542,7 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
                    session_trees: Optional[dict], notes: list[str]):
     """(heads name or None, scheduler or None, label) for a method, or AppError if unavailable.
     sched_name None: the method's own scheduler (entmtp: entropy; Medusa / Hydra: static)."""
-    from .scheduler import Scheduler, make_scheduler
+    from .scheduler import Scheduler, make_scheduler, policy_label
 
     if method not in METHODS:
         raise AppError(f"unknown method {str(method)[:40]!r}; use one of {', '.join(METHODS)}")
@@ -567,9 +567,7 @@ def build_decoding(entry: LoadedModel, method: str, tree_name: Optional[str], sc
             raise AppError(f"scheduler {sched_name}: {error_message(exc)}") from None
         notes.append(f"entmtp runs {heads} with the static tree {tree.name}: {error_message(exc)}")
         return heads, Scheduler(tree), f"entmtp ({heads}, static {tree.name})"
-    if sched_name == "entropy" and len(sched.trees) == 1:  # the tune found no bank that beats the static tree
-        return heads, sched, f"{method} · {sched.trees[0].name} (entropy scheduler, one bucket)"
-    return heads, sched, f"{method} · {sched_name} scheduler"
+    return heads, sched, f"{method} · {policy_label(sched)}"
 
 
 def _new_state(state: Optional[dict]) -> dict:

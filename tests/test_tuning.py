@@ -371,8 +371,8 @@ def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
 
 
 def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
-    """A bank tuned earlier is written to a file the entropy scheduler loads; a re-tune that finds
-    no bank beats the static tree must replace that file, not leave the old bank deciding steps."""
+    """entmtp's entropy scheduler takes the bank the tune chose; after a re-tune that finds no bank
+    beats the static tree, the earlier tune's bank must not go on deciding steps."""
     from entmtp.calibrate import LatencyModel
     from entmtp.methods import build_scheduler
     from entmtp.scheduler import EntropyBucketScheduler
@@ -395,7 +395,7 @@ def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
     cache(EntropyBucketScheduler({"big": big}, [], ["big"], meta={"fit": "static: no held-out gain"}))  # the re-tune
     again = build_scheduler(eng, "hydra", "entmtp", progress=None)
     assert [t.name for t in again.trees] == ["big"] and again.edges == []
-    assert json.loads(autotune.bank_file(eng, "hydra").read_text())["table"] == ["big"]
+    assert autotune.tuned_bank(eng, "hydra").table == ["big"]
     from entmtp.methods import make_runner
 
     assert "big (entropy scheduler, one bucket)" in make_runner(eng, "entmtp", 8, progress=None).label
