@@ -23,7 +23,7 @@ import torch
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .hardware import synchronize
 from .heads import DraftHeads, HeadRunner
-from .kernels import decode_model
+from .kernels import decode_model, tree_mask_dtype
 from .threads import ThreadGovernor, adaptive_threads_possible
 from .tuning import apply_threads, kernel_profile
 from .kvcache import decoding_cache
@@ -97,6 +97,7 @@ class Engine:
                 self.governor = ThreadGovernor(n)
         chosen = self.kernel_profile.choice if self.kernel_profile is not None else kernels
         self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, chosen)
+        self.mask_dtype = tree_mask_dtype(self.decode_model)  # what its attention reads without a conversion
         if self.kernel_profile is not None:
             self.kernels_reason = f"{self.kernels_reason}; {self.kernel_profile.why}"
         # tree rows computed exactly as one-row steps: greedy speculation = the plain loop's tokens
@@ -351,7 +352,7 @@ class Generation:
         keep = NO_LOGITS if screened is not None else 0
         if tree.n_nodes:
             buf = tree.buffers(dev)
-            mask = tree_mask(buf.attention_bias(self.engine.dtype), self.past)
+            mask = tree_mask(buf.attention_bias(self.engine.mask_dtype), self.past)
             logits, hidden = forward(m, tree_tokens[None], self.cache, mask=mask,
                                      position_ids=(buf.depths + self.past)[None], hidden=need_hidden, layers=layers,
                                      logits_to_keep=keep)

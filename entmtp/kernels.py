@@ -267,11 +267,12 @@ def move_rows(tensors: list[torch.Tensor], src: list[int], dst: int) -> bool:
 
 
 def first_argmax(x: torch.Tensor) -> Optional[torch.Tensor]:
-    """x [..., V] float32 on the CPU -> x.argmax(-1): the same indices (ties to the first, a NaN as
-    the maximum) through entmtp's `first_argmax` op, about a tenth of aten's cost. None where the op
+    """x [..., V] float32 or bfloat16 on the CPU -> x.argmax(-1): the same indices (ties to the
+    first, a NaN as the maximum) through entmtp's `first_argmax` op, about a tenth of aten's cost
+    (bf16 read as it is: widening to fp32 is exact, so no converted copy). None where the op
     cannot run: another device or dtype, or the kernel library not loaded in this process (never
     built for this alone)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or x.shape[-1] == 0:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() == 0 or x.shape[-1] == 0:
         return None
     switches = (os.environ.get("ENTMTP_PANELS"), os.environ.get("ENTMTP_ISA"))
     if switches not in _LOADED_UNDER:  # the checks cost as much as the op: once per setting found loaded
@@ -959,6 +960,18 @@ PANELS_FP32_WHY = ("entmtp's kernel library: float32 linears in panels, each row
                    "(probed)")  # "panels" for a float32 model
 
 
+def tree_mask_dtype(twin: nn.Module) -> torch.dtype:
+    """The dtype of the additive tree mask `twin` reads as it is: float32 where every decoder layer's
+    attention is a `FusedAttention` (whose `attend` op works on float32 masks: one in the model's
+    dtype was converted again in each layer, ~0.1 ms a tree step on a 30-layer bf16 model), else
+    the weights' dtype, what sdpa and eager attention take. The mask's values (0 or the dtype's
+    most negative number) hide the same keys in either."""
+    attns = [m for name, m in twin.named_modules() if name.rsplit(".", 1)[-1] == "self_attn"]
+    if attns and all(isinstance(m, FusedAttention) for m in attns):
+        return torch.float32
+    return next(twin.parameters()).dtype
+
+
 def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, str, str]:
     """The model to decode with for a kernel set: (model or its twin, the set's name, why).
 
@@ -1010,6 +1023,6 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
 
 __all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "Int8PanelLinear", "quantize_rows", "int8_draft_layer",
            "seconds_per_call", "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
-           "FusedRMSNorm", "lean_decoder_layers", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
+           "FusedRMSNorm", "lean_decoder_layers", "tree_mask_dtype", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

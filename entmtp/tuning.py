@@ -36,7 +36,8 @@ from typing import Callable, Optional
 import torch
 
 from .hardware import fingerprint, fingerprint_id, synchronize
-from .kernels import KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id, preferred_kernels
+from .kernels import (KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id,
+                      preferred_kernels, tree_mask_dtype)
 from .kvcache import decoding_cache
 from .paths import cache_dir
 from .threads import adaptive_threads_possible, default_threads, threads_override, torch_threads
@@ -185,7 +186,7 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
     trial.ms_by_rows = {r: min(ts) * 1e3 for (_, r), ts in times.items()}
     for r in check_rows:
         ids, pos = rand(r), (past + torch.arange(r, device=dev))[None]
-        tree_logits, _ = forward(twin, ids, cache, mask=chain_mask(r, past, model.dtype, dev), position_ids=pos)
+        tree_logits, _ = forward(twin, ids, cache, mask=chain_mask(r, past, tree_mask_dtype(twin), dev), position_ids=pos)
         cache.crop(-r)
         one = [forward(twin, ids[:, i:i + 1], cache, position_ids=pos[:, i:i + 1])[0][0] for i in range(r)]
         cache.crop(-r)
@@ -214,7 +215,7 @@ def _time_rows(twin, cache, ids: dict[int, torch.Tensor], past: int, repeats: in
     and the first round is untimed (per-shape kernel set-up): a burst of load elsewhere on the
     machine then slows one sample of each, and a drift of its speed hits all alike."""
     dev = next(twin.parameters()).device
-    dtype = next(twin.parameters()).dtype
+    dtype = tree_mask_dtype(twin)  # as the decoding loop builds its masks
     inputs = {r: (x, (past + torch.arange(r, device=dev))[None], chain_mask(r, past, dtype, dev)) for r, x in ids.items()}
     times: dict[tuple[Optional[int], int], list[float]] = {(n, r): [] for n in threads for r in ids}
     for k in range(repeats + 1):

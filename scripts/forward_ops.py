@@ -17,6 +17,7 @@ import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads
 import torch  # noqa: E402
 
 from entmtp.hardware import synchronize  # noqa: E402
+from entmtp.kernels import tree_mask_dtype  # noqa: E402
 from entmtp.kvcache import decoding_cache  # noqa: E402
 from entmtp.models import load_engine  # noqa: E402
 from entmtp.tuning import chain_mask  # noqa: E402
@@ -50,7 +51,7 @@ def main() -> int:
     stats = {}
     with torch.inference_mode():
         forward(twin, rand(a.context), cache)
-        inputs = {r: (rand(r), (a.context + torch.arange(r, device=dev))[None], chain_mask(r, a.context, dtype, dev)) for r in rows}
+        inputs = {r: (rand(r), (a.context + torch.arange(r, device=dev))[None], chain_mask(r, a.context, tree_mask_dtype(twin), dev)) for r in rows}
         profs = {r: torch.profiler.profile(acc_events=True) for r in rows}
         wall = {r: 0.0 for r in rows}
         for k in range(a.forwards + 3):  # 3 untimed rounds first; row counts interleaved

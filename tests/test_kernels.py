@@ -844,9 +844,15 @@ def test_first_argmax_gives_torch_argmax_indices(rows, vocab):
     assert torch.equal(got, x.argmax(-1))
     assert torch.equal(kernels.first_argmax(x[None]), x.argmax(-1)[None])  # leading dims kept
     assert int(kernels.first_argmax(x[0])) == int(x[0].argmax())
+    # bf16 read in place: the same cases, and the ties rounding to bf16 makes of near-equal values
+    xb = x.bfloat16()
+    xb[0, 1:: max(1, vocab // 5)] = 50.0
+    got_b = kernels.first_argmax(xb)
+    assert got_b is not None and torch.equal(got_b, xb.argmax(-1)) and torch.equal(got_b, xb.float().argmax(-1))
+    assert torch.equal(kernels.first_argmax(xb[None]), xb.argmax(-1)[None])
     from entmtp.acceptance import argmax
-    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
-    assert kernels.first_argmax(x.double()) is None and kernels.first_argmax(x.bfloat16()) is None
+    assert torch.equal(argmax(xb), xb.argmax(-1)) and torch.equal(argmax(x.half()), x.half().argmax(-1))
+    assert kernels.first_argmax(x.double()) is None and kernels.first_argmax(x.half()) is None
 
 
 def test_first_argmax_steps_aside_when_the_library_is_off(monkeypatch):
@@ -1198,3 +1204,34 @@ def test_lean_decoder_layers_decode_exactly_as_the_layers_own_forward(panels_onl
         hook.remove()
     # a spare model's stock layers pass the probe as they are
     assert kernels.lean_decoder_layers(tiny_model("llama", vocab=96, dtype=dtype, seed=5)) == 2
+
+
+@needs_panels
+def test_tree_masks_come_in_the_dtype_the_twins_attention_reads(panels_only):
+    """A bf16 twin whose every attention is entmtp's `FusedAttention` takes float32 tree masks (no
+    conversion in each layer) and verifies trees exactly as with bf16 masks: the same logits bit
+    for bit, so speculation still emits the plain loop's tokens; stock twins keep the model's dtype."""
+    from entmtp.kvcache import decoding_cache
+    from entmtp.verify import forward, tree_mask
+
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=5)
+    engine = Engine(model, heads={"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="panels")
+    twin = engine.decode_model
+    assert all(isinstance(layer.self_attn, kernels.FusedAttention) for layer in twin.model.layers)
+    assert kernels.tree_mask_dtype(twin) == engine.mask_dtype == torch.float32
+    assert kernels.tree_mask_dtype(model) == torch.bfloat16  # stock attention: sdpa wants the query's dtype
+    assert Engine(model, kernels="stock").mask_dtype == torch.bfloat16
+    tree = resolve_tree("mc_sim_7b_63").truncated(3)
+    buf = tree.buffers(torch.device("cpu"))
+    ids = torch.randint(3, 96, (1, tree.size), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = decoding_cache(twin)
+        with torch.inference_mode():
+            forward(twin, torch.tensor([[5, 9, 11, 5, 9]]), cache)
+            logits.append(forward(twin, ids, cache, mask=tree_mask(buf.attention_bias(dtype), 5),
+                                  position_ids=(buf.depths + 5)[None])[0])
+    assert torch.equal(logits[0], logits[1])
+    prompt = [5, 9, 11, 5, 9, 30, 31]
+    plain = engine.run(prompt, config=DecodeConfig(max_new_tokens=24)).tokens
+    assert engine.run(prompt, heads="hydra", tree=tree, config=DecodeConfig(max_new_tokens=24)).tokens == plain
