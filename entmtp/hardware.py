@@ -102,8 +102,11 @@ def synchronize(device) -> None:
 
 
 def fingerprint(device) -> dict:
-    """What a measurement on `device` depends on: the CPU (model, ISA as dispatched, cores, the
-    threads torch starts with, OpenMP's wait policy) or GPU name, and the torch version."""
+    """What a measurement on `device` depends on: the CPU (model, ISA as dispatched, the ISA
+    torch's own kernels and oneDNN may use, cores, the threads torch starts with, OpenMP's wait
+    policy) or GPU name, and the torch version. `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA`
+    cap the stock kernels every comparison with "stock" measures, so a profile taken under a
+    cap is not one for the machine without it."""
     dev = torch.device(device)
     out = {"device": dev.type, "torch": torch.__version__, "machine": platform.machine()}
     if dev.type == "cuda":
@@ -112,6 +115,10 @@ def fingerprint(device) -> dict:
     else:
         out.update(cpu=_cpu_model(), isa=cpu_isa(), cores=os.cpu_count(), threads=default_threads(),
                    wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+        caps = {"torch_isa": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""}
+        # named only when set, so that the fingerprints of uncapped machines stay what they were
+        out.update({k: v.strip().lower() for k, v in caps.items() if v.strip()})
     return out
 
 

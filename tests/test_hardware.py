@@ -56,6 +56,23 @@ def test_fingerprint_names_machine_threads_and_torch(monkeypatch):
     assert hardware.fingerprint_id("cpu") != a
 
 
+def test_fingerprint_names_caps_on_the_stock_kernels_only_when_set(monkeypatch):
+    """Capping torch's or oneDNN's instruction set (to see a machine as an AVX2-only one) makes
+    another machine for the cached measurements; without a cap the fingerprint names neither."""
+    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    plain = hardware.fingerprint("cpu")
+    assert "torch_isa" not in plain and "onednn_isa" not in plain
+    ids = {hardware.fingerprint_id("cpu")}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hardware.fingerprint("cpu")["onednn_isa"] == "avx2"
+    ids.add(hardware.fingerprint_id("cpu"))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert hardware.fingerprint("cpu")["torch_isa"] == "avx2"
+    ids.add(hardware.fingerprint_id("cpu"))
+    assert len(ids) == 3
+
+
 def test_bf16_advice_only_where_speculation_cannot_pay():
     assert kernels.dtype_advice("cpu", torch.float32) is None and kernels.dtype_advice("cuda", torch.bfloat16) is None
     advice = kernels.dtype_advice("cpu", torch.bfloat16)
