@@ -23,6 +23,7 @@ from .autotune import format_profile, machine_profile
 from .calibrate import RuleSpec
 from .checkpoints import CheckpointError
 from .data import DataError, Prompt, render_prompt
+from .hardware import dispatch_env
 from .decoding import ContextError, DecodeConfig
 from .kernels import KERNELS
 from .methods import (DEFAULT_LOOKUP, METHODS, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
@@ -46,8 +47,11 @@ def _say(s: str) -> None:
 
 
 def _command(name: str) -> str:
-    """The command line as typed after `entmtp`, for reports."""
-    return f"entmtp {name} " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 and sys.argv[1] == name else f"entmtp {name}"
+    """The command line as typed after `entmtp`, for reports, after the dispatch settings of the
+    environment (`hardware.dispatch_env`) so that it reproduces the run."""
+    line = f"entmtp {name} " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 and sys.argv[1] == name else f"entmtp {name}"
+    env = dispatch_env()
+    return f"{env} {line}" if env else line
 
 
 # ---- shared options -------------------------------------------------------------------------

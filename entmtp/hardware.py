@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 
 import torch
 
@@ -101,6 +102,18 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(dev)
 
 
+# environment variables that change which kernels run or what they measure (docs/cli.md)
+DISPATCH_ENV = ("ENTMTP_ISA", "ENTMTP_AMX_EMULATION", "ENTMTP_PANELS", "ENTMTP_DRAFT_INT8", "ENTMTP_TUNE",
+                "ENTMTP_THREADS", "ENTMTP_ADAPTIVE_THREADS", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY",
+                "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def dispatch_env() -> str:
+    """Those of DISPATCH_ENV that are set, as `NAME=value` words before a command (a report's
+    command line then reproduces the run: `ENTMTP_ISA=avx2 entmtp bench ...`); "" when none is."""
+    return " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in DISPATCH_ENV if os.environ.get(k, "").strip())
+
+
 def fingerprint(device) -> dict:
     """What a measurement on `device` depends on: the CPU (model, ISA as dispatched, the ISA
     torch's own kernels and oneDNN may use, cores, the threads torch starts with, OpenMP's wait
@@ -128,4 +141,4 @@ def fingerprint_id(device) -> str:
 
 
 __all__ = ["ISA_ORDER", "amx_emulated", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
-           "fingerprint_id", "synchronize"]
+           "fingerprint_id", "DISPATCH_ENV", "dispatch_env", "synchronize"]

@@ -2,6 +2,7 @@
 fingerprint tuning profiles are cached under, and the bf16 advice."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -87,3 +88,20 @@ def test_bf16_advice_on_a_generic_cpu_names_the_reason(monkeypatch):
     monkeypatch.setenv("ENTMTP_ISA", "generic")
     advice = kernels.dtype_advice("cpu", torch.bfloat16, remedy="load it in float32")
     assert "cpu-generic" in advice and advice.endswith("load it in float32") and "\n" not in advice
+
+
+def test_a_reports_command_line_carries_the_dispatch_settings_it_ran_under(monkeypatch):
+    """`entmtp bench` under ENTMTP_ISA=avx2 (and caps on torch and oneDNN) writes a command line that
+    reproduces the run: the settings first, quoted; none when none is set."""
+    from entmtp import cli
+
+    for var in hardware.DISPATCH_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["entmtp", "bench", "--dtype", "bfloat16"])
+    assert hardware.dispatch_env() == "" and cli._command("bench") == "entmtp bench --dtype bfloat16"
+    monkeypatch.setenv("ENTMTP_ISA", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ENTMTP_THREADS", "1 2")  # quoted as a shell would need it
+    assert cli._command("bench") == ("ENTMTP_ISA=avx2 ENTMTP_THREADS='1 2' ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
+                                     "entmtp bench --dtype bfloat16")
