@@ -23,8 +23,8 @@ from .autotune import format_profile, machine_profile
 from .calibrate import RuleSpec
 from .checkpoints import CheckpointError
 from .data import DataError, Prompt, render_prompt
-from .hardware import dispatch_env
 from .decoding import ContextError, DecodeConfig
+from .hardware import dispatch_env
 from .kernels import KERNELS
 from .methods import (DEFAULT_LOOKUP, METHODS, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
                       method_heads, method_lookup, parse_methods)
