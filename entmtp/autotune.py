@@ -35,7 +35,7 @@ from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure
 from .lookup import chain_outcomes
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
-from .threads import torch_threads
+from .threads import CoreLoad, busy_note, torch_threads
 from .trees import Tree
 from .tuning import machine_dir, model_key
 
@@ -354,8 +354,9 @@ def choose_bank(stats: CalibrationStats, trees: list[Tree], static: Tree, latenc
 
 
 def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
-    """The cached `tune_trees` result for (machine, engine, heads), measured when missing.
-    None when ENTMTP_TUNE=0 or the heads ship no statistics."""
+    """The cached `tune_trees` result for (machine, engine, heads), measured when missing (and
+    cached unless other processes used the cores meanwhile: `threads.busy_note`). None when
+    ENTMTP_TUNE=0 or the heads ship no statistics."""
     mode = os.environ.get("ENTMTP_TUNE", "1").strip().lower()
     if mode in ("0", "off", "false", "no") or heads not in engine.runners:
         return None
@@ -365,10 +366,18 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
             return TunedTrees.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
             pass
+    if heads in engine.held_tunes:  # measured under load earlier in this process
+        return engine.held_tunes[heads]
+    load = CoreLoad()
     with torch.inference_mode(), torch_threads(decoding_threads(engine)):
         out = tune_trees(engine, heads, progress=progress)
     if out is None:
         return None
+    busy = busy_note(load, "the step latency was")
+    if busy:  # this engine decodes with these trees; the next load measures again
+        out.why += f" ({busy})"
+        engine.held_tunes[heads] = out
+        return out
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

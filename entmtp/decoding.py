@@ -108,6 +108,8 @@ class Engine:
         self.max_context = max_context(model)
         self.screened = ScreenedGreedyHead.for_model(model) if screened_head else None
         self.runners: dict[str, HeadRunner] = {}
+        # tuned trees measured while other processes used the cores: this engine's, never cached (`autotune.tuned_trees`)
+        self.held_tunes: dict[str, object] = {}
         for name, h in (heads or {}).items():
             self.add_heads(name, h)
 

@@ -147,6 +147,17 @@ class CoreLoad:
         return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / (now[2] - last[2]))
 
 
+def busy_note(load: Optional[CoreLoad], what: str) -> Optional[str]:
+    """Why a measurement that began when `load` was made must not be kept: other processes (or
+    the host) used at least BUSY_CORES of this process's cores on average meanwhile, so its step
+    times are another machine's -- or None (a quiet machine, or counters that cannot be read)."""
+    others = load.others() if load is not None else None
+    if others is None or others < BUSY_CORES:
+        return None
+    return (f"{what} measured while other processes used {others:.1f} cores' worth of this machine: "
+            "not cached, measured again at the next load")
+
+
 class ThreadGovernor:
     """Decode with `wide` torch threads while this process's cores are its own, with one while
     other processes use at least `busy` cores' worth of them (one thread never waits on a core
@@ -212,4 +223,4 @@ def torch_threads(n: int | None):
 
 
 __all__ = ["DEFAULT_WAIT_POLICY", "USER_WAIT_POLICY", "BUSY_CORES", "adaptive_threads_possible", "configure_wait_policy",
-           "count_as_own", "forget_worker", "process_cpu_seconds", "own_cpu_seconds", "CoreLoad", "ThreadGovernor", "threads_override", "default_threads", "torch_threads"]
+           "count_as_own", "forget_worker", "process_cpu_seconds", "own_cpu_seconds", "CoreLoad", "busy_note", "ThreadGovernor", "threads_override", "default_threads", "torch_threads"]

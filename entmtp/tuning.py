@@ -40,7 +40,7 @@ from .kernels import (KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel
                       preferred_kernels, tree_mask_dtype)
 from .kvcache import decoding_cache
 from .paths import cache_dir
-from .threads import adaptive_threads_possible, default_threads, threads_override, torch_threads
+from .threads import CoreLoad, adaptive_threads_possible, busy_note, default_threads, threads_override, torch_threads
 from .verify import forward, tree_mask
 
 PROFILE_FORMAT = "entmtp-kernel-profile/1"
@@ -348,8 +348,10 @@ def _threads_unmeasured(prof: KernelProfile, device) -> bool:
 
 
 def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) -> KernelProfile:
-    """This machine's kernel profile for `model`: read from the cache, else measured and cached.
-    ENTMTP_TUNE=0: not measured; ENTMTP_TUNE=refresh: measured again."""
+    """This machine's kernel profile for `model`: read from the cache, else measured and cached --
+    unless other processes used the cores meanwhile (`threads.busy_note`): then it holds for this
+    process and is measured again at the next load. ENTMTP_TUNE=0: not measured;
+    ENTMTP_TUNE=refresh: measured again."""
     mode = os.environ.get("ENTMTP_TUNE", "1").strip().lower()
     if mode in ("0", "off", "false", "no"):
         return unmeasured_profile(model)
@@ -369,7 +371,12 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
                 return prof
         except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
             pass  # unreadable: measure again
+    load = CoreLoad()
     prof = probe_kernels(model, progress=progress)
+    busy = busy_note(load, "the kernel profile was")
+    if busy:  # kept for this process only: a browser opening beside the app must not choose for good
+        prof.why += f" ({busy})"
+        return prof
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

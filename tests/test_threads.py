@@ -141,3 +141,23 @@ def test_machine_panel_says_when_the_thread_count_is_governed():
     governed, fixed = profile_html({**base, "threads_governed": True}), profile_html({**base, "threads_governed": False})
     assert "<b>threads</b>: 2 (measured" in governed and "(governor)" in governed
     assert "<b>threads</b>: 2 (measured" in fixed and "(governor)" not in fixed
+
+
+def test_busy_note_names_a_measurement_taken_while_others_used_the_cores(tmp_path):
+    """A measurement during which other processes used at least BUSY_CORES of our cores is named
+    as such (and so not cached); a quiet one, or unreadable counters, is not."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    now, ours = [100.0], [10.0]
+    _stat(stat, [0, 0])
+    busy = CoreLoad(cpus=[0, 1], stat_path=str(stat), cpu_time=lambda: ours[0], clock=lambda: now[0])
+    _stat(stat, [tick, tick])  # 2 s busy in 1 s, 1 s of it ours: another process held a core
+    now[0], ours[0] = 101.0, 11.0
+    note = threads.busy_note(busy, "the kernel profile was")
+    assert note.startswith("the kernel profile was measured while other processes used 1.0 cores'") and "not cached" in note
+    quiet = CoreLoad(cpus=[0, 1], stat_path=str(stat), cpu_time=lambda: ours[0], clock=lambda: now[0])
+    _stat(stat, [tick + int(0.5 * tick), tick + int(0.5 * tick)])  # 1 s busy in 1 s, all of it ours
+    now[0], ours[0] = 102.0, 12.0
+    assert threads.busy_note(quiet, "x") is None
+    stat.write_text("nothing here\n")
+    assert threads.busy_note(CoreLoad(cpus=[0], stat_path=str(stat)), "x") is None and threads.busy_note(None, "x") is None

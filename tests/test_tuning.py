@@ -425,3 +425,43 @@ def test_tuned_trees_are_measured_again_when_the_step_code_changes(tuning_on, tm
         monkeypatch.undo()
         autotune.engine_code_id.cache_clear()
     assert autotune.engine_code_id() == same  # the copy was the package's code, byte for byte
+
+
+class _Load:
+    """A stand-in `threads.CoreLoad`: other processes used `others` cores during the measurement."""
+
+    others_cores = 0.0
+
+    def others(self):
+        return type(self).others_cores
+
+
+def test_measurements_taken_while_other_processes_use_the_cores_are_not_cached(tuning_on, monkeypatch):
+    """A kernel profile or tuned trees measured while another process held a core (a browser
+    opening beside the app) hold for this process only: nothing is written, the reason is said,
+    the engine does not measure its trees again within the process, and the next load of a quiet
+    machine measures and caches them."""
+    monkeypatch.setattr(tuning, "CoreLoad", _Load)
+    monkeypatch.setattr(autotune, "CoreLoad", _Load)
+    model = tiny_model("llama", vocab=96, seed=3)
+    _Load.others_cores = 1.2
+    prof = tuning.kernel_profile(model)
+    assert prof.cache_file is None and "measured while other processes used 1.2 cores'" in prof.why
+    assert not tuning.profile_path(model).exists()
+    _Load.others_cores = 0.05
+    assert Path(tuning.kernel_profile(model).cache_file).is_file()
+
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 30], [7, 7, 7, 20, 21, 22]], max_new_tokens=24, max_rank=8)
+    monkeypatch.setattr(autotune, "shipped_stats", lambda runner: stats)
+    measured = []
+    tune = autotune.tune_trees
+    monkeypatch.setattr(autotune, "tune_trees", lambda *a, **k: measured.append(1) or tune(*a, **k))
+    _Load.others_cores = 0.9
+    held = autotune.tuned_trees(eng, "hydra")
+    assert "not cached" in held.why and not autotune.trees_path(eng, "hydra").exists()
+    assert autotune.tuned_trees(eng, "hydra") is held and len(measured) == 1  # held for this engine
+    _Load.others_cores = 0.0
+    fresh = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    assert "not cached" not in autotune.tuned_trees(fresh, "hydra").why and autotune.trees_path(fresh, "hydra").is_file()
+    assert len(measured) == 2
