@@ -134,6 +134,15 @@ MUTANTS = (
            "budget-th best: deeper nodes that belong in the tree are never drafted",
            "entmtp/heads.py", "sorted(v[0] for v in cand.values())[-budget]", "sorted(v[0] for v in cand.values())[-1]",
            ("tests/test_scheduler.py::test_dynamic_tree_is_the_best_budget_nodes_of_the_full_expansion",)),
+    Mutant("busy_measurement_cached", "a kernel profile or trees measured while other processes held the cores are "
+           "cached as this machine's", "entmtp/threads.py", "    if others is None or others < BUSY_CORES:\n        return None",
+           "    if True:\n        return None",
+           ("tests/test_tuning.py::test_measurements_taken_while_other_processes_use_the_cores_are_not_cached",
+            "tests/test_threads.py::test_busy_note_names_a_measurement_taken_while_others_used_the_cores")),
+    Mutant("float32_masks_for_stock_attention", "float32 tree masks for a twin whose attention is not entmtp's own "
+           "(sdpa wants the query's dtype)", "entmtp/kernels.py",
+           "    if attns and all(isinstance(m, FusedAttention) for m in attns):", "    if True:",
+           ("tests/test_kernels.py::test_tree_masks_come_in_the_dtype_the_twins_attention_reads",)),
 )
 
 
