@@ -33,6 +33,7 @@ import torch
 from .bank import compare_on, fit_entropy_bank
 from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency
 from .lookup import chain_outcomes
+from .paths import write_json_atomic
 from .scheduler import EntropyBucketScheduler
 from .search import search_trees
 from .threads import CoreLoad, busy_note, torch_threads
@@ -379,12 +380,10 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
         engine.held_tunes[heads] = out
         return out
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(out.to_json(), indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # read-only cache: the choice still holds in this process
+        write_json_atomic(path, out.to_json())
+    except OSError as e:  # a read-only cache: the choice still holds in this process, which holds it
+        out.why += f" (not cached: {e.strerror or e})"
+        engine.held_tunes[heads] = out
     return out
 
 

@@ -61,7 +61,7 @@ from .data import DataError, Prompt, render_prompt
 from .decoding import DecodeConfig, Engine
 from .hardware import cpu_isa, hardware_class
 from .models import describe_model
-from .paths import cache_dir
+from .paths import cache_dir, write_json_atomic
 from .scheduler import Decision, Scheduler, StepSignals
 from .tuning import config_hash
 from .trees import Path_, Tree, TreeError, resolve_tree
@@ -1348,10 +1348,7 @@ def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, 
             pass  # unreadable cache: measure again
     lm = measure_latency(engine, heads, max_nodes=max_nodes, progress=progress, **kw)
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(lm.to_json(), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, lm.to_json())
         lm.meta["cache_file"] = str(path)
     lm.meta["cached"] = False
     return lm

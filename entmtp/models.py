@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import one_line
-from .paths import DEFAULT_HEADS_DIR, HEAD_KINDS, cache_dir
+from .paths import DEFAULT_HEADS_DIR, HEAD_KINDS, cache_dir, write_json_atomic
 
 __all__ = [
     "ModelLoadError",
@@ -176,17 +176,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, progress: Callable[[str], Any]
     tok.save_pretrained(str(out_dir))
 
 
-def _write_json_atomic(path: Path, data: dict, fsync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fsync_tree(directory: Path) -> None:
     for p in directory.rglob("*"):
         if p.is_file():
@@ -272,10 +261,10 @@ def _verify_copy(target: Path, gguf: Path | None, full: bool = False) -> str | N
         if _sha256_file(gguf) != source.get("sha256"):
             return f"source {gguf.name} changed (sha256 differs from the one converted)"
     try:
-        _write_json_atomic(
+        write_json_atomic(
             marker_path,
             {"manifest_sha256": manifest_sha, "files": signature, "source": source_sig},
-            fsync=False,
+            indent=2, sort_keys=True,
         )
     except OSError:
         pass  # read-only cache: fine, we just re-hash next time
@@ -319,7 +308,7 @@ def _build_copy(target: Path, gguf: Path, progress: Callable[[str], Any]) -> Non
             "files": files,
         }
         _fsync_tree(tmp)
-        _write_json_atomic(tmp / MANIFEST_NAME, manifest)  # LAST: its presence means complete
+        write_json_atomic(tmp / MANIFEST_NAME, manifest, indent=2, sort_keys=True, fsync=True)  # LAST: its presence means complete
         old = None
         if target.exists():
             old = parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import uuid
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 # the embedded heads of the default model: kind -> directory under DEFAULT_HEADS_DIR
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
@@ -26,4 +29,26 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "entmtp"
 
 
-__all__ = ["DEFAULT_HEADS_DIR", "HEAD_KINDS", "cache_dir"]
+def write_json_atomic(path: Path, data: Any, *, indent: int = 1, sort_keys: bool = False, fsync: bool = False,
+                      default: Optional[Callable[[Any], Any]] = None) -> None:
+    """Write `data` as JSON (and a final newline) to `path`, creating its directory: through a
+    temporary file beside it and `os.replace`, so a reader (another process loading the same
+    cache) sees the old file or the new one, never half of one. fsync: flush to disk before the
+    rename, for files that mark other files complete. OSError propagates, the temporary removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=indent, sort_keys=sort_keys, default=default)
+            f.write("\n")
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["DEFAULT_HEADS_DIR", "HEAD_KINDS", "cache_dir", "write_json_atomic"]

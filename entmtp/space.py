@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from .errors import one_line
-from .paths import cache_dir
+from .paths import cache_dir, write_json_atomic
 
 # ---- the embedded model's weights -----------------------------------------------------------------
 
@@ -70,12 +70,6 @@ def _sha256(path: Path, bufsize: int = 8 << 20) -> str:
         while chunk := f.read(bufsize):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ==================================================================================================
@@ -173,12 +167,12 @@ def fetch_gguf(sources: Iterable[str] = FETCH_SOURCES, *, sha256: Optional[str] 
                 progress(f"[entmtp] {failures[-1]}")
                 continue
             st = dest.stat()
-            _write_json(_marker(dest), {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-            _write_json(_status_path(), {"ok": True, "source": name, "time": _now()})
+            write_json_atomic(_marker(dest), {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, sort_keys=True)
+            write_json_atomic(_status_path(), {"ok": True, "source": name, "time": _now()}, sort_keys=True)
             progress(f"[entmtp] {GGUF_FILENAME} verified (sha256 {sha256[:12]}..., from {name})")
             return dest
         reason = "; ".join(failures) or "no source to fetch from"
-        _write_json(_status_path(), {"ok": False, "reason": reason, "time": _now()})
+        write_json_atomic(_status_path(), {"ok": False, "reason": reason, "time": _now()}, sort_keys=True)
         raise SpaceError(f"could not obtain the checksum-verified {GGUF_FILENAME}: {reason}")
 
 

@@ -77,6 +77,7 @@ from .checkpoints import CONFIG_FILE, CheckpointError, load_heads, save_heads
 from .data import DataError, PromptSet, load_prompts, render_conversation, render_prompt, split_prompts
 from .heads import DraftHeads, HeadsConfig, count_parameters
 from .models import ModelLoadError, load_base
+from .paths import write_json_atomic
 from .verify import base_features, last_positions, left_padded, missing_layers
 
 __all__ = ["TrainError", "TrainConfig", "TrainResult", "main", "run_training",
@@ -238,13 +239,6 @@ def _sha256_state(module: nn.Module) -> str:
 
 def _prompt_key(prompt) -> str:
     return _sha256_json(prompt.prompt_messages)[:32]
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def _fmt_s(seconds: float) -> str:
@@ -471,7 +465,7 @@ def _self_distill(ctx: _Ctx, args, model, tokenizer, prompts: list, held_keys: s
     sd_dir = work / "selfdistill"
     if ctx.main:
         sd_dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(sd_dir / f"selfdistill-{tag}.json", gen_cfg)
+        write_json_atomic(sd_dir / f"selfdistill-{tag}.json", gen_cfg, default=str)
     ctx.barrier()
     files = list(sd_dir.glob(f"selfdistill-{tag}.rank*.jsonl"))
     done = _read_jsonl_records(files)
@@ -925,7 +919,7 @@ def _cached_features(ctx: _Ctx, args, extractor: _FeatureExtractor, seqs: list[S
         bar.close()
         ctx.barrier()
         if ctx.main:
-            _write_json_atomic(manifest_path, {"format": FEATURE_FORMAT, "key": key, "n_seqs": len(seqs),
+            write_json_atomic(manifest_path, {"format": FEATURE_FORMAT, "key": key, "n_seqs": len(seqs),
                                                "shard_size": shard_size, "files": files,
                                                "n_tokens": sum(len(s) for s in seqs),
                                                "created": _dt.datetime.now().isoformat(timespec="seconds")})
@@ -1144,11 +1138,11 @@ def _save_ckpt(ctx: _Ctx, work: Path, state: dict) -> Path:
     ctx.acc.save_state(str(tmp))
     ctx.barrier()
     if ctx.main:
-        _write_json_atomic(tmp / "trainer_state.json", state)
+        write_json_atomic(tmp / "trainer_state.json", state, default=str)
         if d.exists():
             shutil.rmtree(d)
         tmp.replace(d)
-        _write_json_atomic(root / "latest.json", {"dir": name, "step": state["step"]})
+        write_json_atomic(root / "latest.json", {"dir": name, "step": state["step"]}, default=str)
         for other in root.iterdir():
             if other.is_dir() and other.name != name and other.name.startswith("step-"):
                 shutil.rmtree(other, ignore_errors=True)
@@ -1552,7 +1546,7 @@ def _export(ctx: _Ctx, args: TrainConfig, core: "_HeadsTrainer", kinds: list[str
     report_path = None
     if ctx.main:
         report_path = out_root / REPORT_JSON
-        _write_json_atomic(report_path, report)
+        write_json_atomic(report_path, report, default=str)
         (out_root / REPORT_MD).write_text(_report_md(report), encoding="utf-8")
         ctx.print(f"saved: {', '.join(str(p) for p in out_dirs.values())}; report {report_path}")
     return out_dirs, report_path

@@ -39,7 +39,7 @@ from .hardware import fingerprint, fingerprint_id, synchronize
 from .kernels import (KERNEL_SETS, ONE_ROW_STOCK, can_pack, decode_model, kernel_bytes_ok, kernel_options, library_id,
                       preferred_kernels, tree_mask_dtype)
 from .kvcache import decoding_cache
-from .paths import cache_dir
+from .paths import cache_dir, write_json_atomic
 from .threads import CoreLoad, adaptive_threads_possible, busy_note, default_threads, threads_override, torch_threads
 from .verify import forward, tree_mask
 
@@ -378,10 +378,7 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
         prof.why += f" ({busy})"
         return prof
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(prof.to_json(), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, prof.to_json())
         prof.cache_file = str(path)
     except OSError as e:  # a read-only home: the profile still holds for this process
         prof.why += f" (not cached: {e.strerror or e})"

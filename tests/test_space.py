@@ -359,8 +359,8 @@ def test_models_find_the_provisioned_copy(cache, monkeypatch):
     with pytest.raises(models.ModelLoadError):
         models._locate_gguf()  # present but never verified: not used
     monkeypatch.setattr(space, "GGUF_SHA256", hashlib.sha256(b"not the real file").hexdigest())
-    space._write_json(space._marker(path), {"sha256": space.GGUF_SHA256, "size": path.stat().st_size,
-                                            "mtime_ns": path.stat().st_mtime_ns})
+    space.write_json_atomic(space._marker(path), {"sha256": space.GGUF_SHA256, "size": path.stat().st_size,
+                                                  "mtime_ns": path.stat().st_mtime_ns})
     assert models._locate_gguf() == path
 
 

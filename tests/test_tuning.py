@@ -465,3 +465,22 @@ def test_measurements_taken_while_other_processes_use_the_cores_are_not_cached(t
     fresh = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
     assert "not cached" not in autotune.tuned_trees(fresh, "hydra").why and autotune.trees_path(fresh, "hydra").is_file()
     assert len(measured) == 2
+
+
+def test_trees_that_cannot_be_cached_are_held_for_the_process_and_it_says_why(tuning_on, monkeypatch):
+    """A cache that cannot be written (a read-only home on a Space) costs the next process a
+    measurement, never this one a second: the engine holds its trees and says they were not cached."""
+    model = tiny_model("llama", vocab=96, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 30], [7, 7, 7, 20, 21, 22]], max_new_tokens=24, max_rank=8)
+    monkeypatch.setattr(autotune, "shipped_stats", lambda runner: stats)
+
+    def read_only(path, data, **kw):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(autotune, "write_json_atomic", read_only)
+    measured = []
+    tune = autotune.tune_trees
+    monkeypatch.setattr(autotune, "tune_trees", lambda *a, **k: measured.append(1) or tune(*a, **k))
+    held = autotune.tuned_trees(eng, "hydra")
+    assert held.why.endswith("(not cached: Permission denied)") and not autotune.trees_path(eng, "hydra").exists()
+    assert autotune.tuned_trees(eng, "hydra") is held and len(measured) == 1
