@@ -102,10 +102,14 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(dev)
 
 
+# the environment variables that cap the ISA of torch's own kernels and of oneDNN (the "stock"
+# every kernel choice is measured against), by the fingerprint field that names the cap
+STOCK_ISA_CAPS = {"torch_isa": ("ATEN_CPU_CAPABILITY",), "onednn_isa": ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+
 # environment variables that change which kernels run or what they measure (docs/cli.md)
 DISPATCH_ENV = ("ENTMTP_ISA", "ENTMTP_AMX_EMULATION", "ENTMTP_PANELS", "ENTMTP_DRAFT_INT8", "ENTMTP_TUNE",
-                "ENTMTP_THREADS", "ENTMTP_ADAPTIVE_THREADS", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY",
-                "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                "ENTMTP_THREADS", "ENTMTP_ADAPTIVE_THREADS", "OMP_NUM_THREADS",
+                *(name for names in STOCK_ISA_CAPS.values() for name in names))
 
 
 def dispatch_env() -> str:
@@ -128,10 +132,10 @@ def fingerprint(device) -> dict:
     else:
         out.update(cpu=_cpu_model(), isa=cpu_isa(), cores=os.cpu_count(), threads=default_threads(),
                    wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
-        caps = {"torch_isa": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-                "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""}
-        # named only when set, so that the fingerprints of uncapped machines stay what they were
-        out.update({k: v.strip().lower() for k, v in caps.items() if v.strip()})
+        for field, names in STOCK_ISA_CAPS.items():  # named only when set: uncapped fingerprints stay as they were
+            cap = next((os.environ[n].strip().lower() for n in names if os.environ.get(n, "").strip()), "")
+            if cap:
+                out[field] = cap
     return out
 
 
@@ -141,4 +145,4 @@ def fingerprint_id(device) -> str:
 
 
 __all__ = ["ISA_ORDER", "amx_emulated", "native_isa", "cpu_isa", "isa_at_least", "fast_bf16_matmul", "hardware_class", "fingerprint",
-           "fingerprint_id", "DISPATCH_ENV", "dispatch_env", "synchronize"]
+           "fingerprint_id", "STOCK_ISA_CAPS", "DISPATCH_ENV", "dispatch_env", "synchronize"]
