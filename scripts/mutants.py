@@ -143,6 +143,10 @@ MUTANTS = (
            "(sdpa wants the query's dtype)", "entmtp/kernels.py",
            "    if attns and all(isinstance(m, FusedAttention) for m in attns):", "    if True:",
            ("tests/test_kernels.py::test_tree_masks_come_in_the_dtype_the_twins_attention_reads",)),
+    Mutant("cache_written_in_place", "cache files written in place: a failed write leaves half a file where the last "
+           "good one was", "entmtp/paths.py",
+           '    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")', "    tmp = path",
+           ("tests/test_paths.py::test_json_is_written_whole_or_not_at_all",)),
 )
 
 
