@@ -1,0 +1,86 @@
+"""How much the tuner's step-latency model moves between measurements on this machine. No asserts.
+
+`--models N`: measures each head kind's latency model N times in turn, exactly as `entmtp tune`
+does (`autotune.tune_trees`' grid, repeats and context), and prints its plain step and the step
+cost, over a plain step, of a few trees. Where the same tree's cost moves by more than the kinds
+differ, the kind and tree the tuner picks rest on the moment it measured.
+
+`--alternate N`: N rounds of three short generations after the same 96 random tokens -- our plain
+loop, Hydra with an empty tree (root-only steps), Hydra with a 6-node tree -- printing each one's
+median step: whether the plain step and the tree step move together or apart over time.
+
+    python scripts/latency_noise.py --models 3 [--kinds hydra,hydra++] [--dtype bfloat16]
+    python scripts/latency_noise.py --alternate 8
+"""
+
+import argparse
+import statistics
+import time
+
+import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
+
+import torch  # noqa: E402
+
+from entmtp.autotune import CPU_SIZES, SHORT_CONTEXT  # noqa: E402
+from entmtp.calibrate import measure_latency  # noqa: E402
+from entmtp.decoding import DecodeConfig  # noqa: E402
+from entmtp.models import load_engine  # noqa: E402
+from entmtp.trees import Tree  # noqa: E402
+
+SHOWN = ((4, 2), (6, 2), (8, 3), (16, 3), (32, 2))  # (nodes, depth) of the trees printed
+
+
+def models(engine, kinds: list[str], rounds: int) -> None:
+    print("| round | heads | plain step ms | " + " | ".join(f"{n} nodes d{d}" for n, d in SHOWN) + " |")
+    print("|---:|---|---:|" + "---:|" * len(SHOWN))
+    for r in range(rounds):
+        for kind in kinds:
+            K = engine.runners[kind].config.num_heads
+            lm = measure_latency(engine, kind, max_nodes=max(CPU_SIZES), sizes=CPU_SIZES, depths=range(1, K + 1),
+                                 repeats=2, context_tokens=SHORT_CONTEXT)
+            b = lm.baseline_s
+            print(f"| {r + 1} | {kind} | {b * 1e3:.2f} | " + " | ".join(f"{lm.cost(n, d) / b:.2f}x" for n, d in SHOWN) + " |",
+                  flush=True)
+
+
+def alternate(engine, rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, engine.model.get_input_embeddings().weight.shape[0], (96,), generator=g).tolist()
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    cfg = DecodeConfig(max_new_tokens=40, eos_token_ids=())
+
+    def median_step_ms(heads, t) -> float:
+        gen = engine.generate(ids, config=cfg) if heads is None else engine.generate(ids, heads=heads, tree=t, config=cfg)
+        return statistics.median([s.time_total for s in gen][2:14]) * 1e3  # past the first steps
+
+    print("| round | plain loop ms | Hydra, root only ms | Hydra, 6 nodes ms | 6 nodes / plain |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in range(rounds):
+        p, h0, h6 = median_step_ms(None, None), median_step_ms("hydra", Tree.from_paths([])), median_step_ms("hydra", tree)
+        print(f"| {r + 1} | {p:.2f} | {h0:.2f} | {h6:.2f} | {h6 / p:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=int, default=0, help="rounds of latency models per kind")
+    ap.add_argument("--alternate", type=int, default=0, help="rounds of plain / root-only / tree generations")
+    ap.add_argument("--kinds", default="hydra,hydra++")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = ap.parse_args()
+    if not (args.models or args.alternate):
+        ap.error("give --models N or --alternate N")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if args.alternate and "hydra" not in kinds:
+        kinds.append("hydra")
+    engine = load_engine("default", {k: k for k in kinds}, dtype=args.dtype, progress=None)
+    t = time.time()
+    with torch.inference_mode():
+        if args.models:
+            models(engine, [k for k in args.kinds.split(",") if k], args.models)
+        if args.alternate:
+            alternate(engine, args.alternate)
+    print(f"({time.time() - t:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
