@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .bank import compare_on, fit_entropy_bank
-from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency
+from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency, measure_step_ratios
 from .lookup import chain_outcomes
 from .paths import write_json_atomic
 from .scheduler import EntropyBucketScheduler
@@ -387,6 +387,59 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
     return out
 
 
+FAMILY_RACE_ROUNDS = 6  # rounds of `measure_step_ratios` that compare the tuned trees of several heads
+
+
+def best_speedup(t: TunedTrees) -> float:
+    """A tune's predicted speedup over plain decoding: its bank's where that beats the static tree."""
+    return max(t.predicted_speedup, t.bank_speedup or 0.0)
+
+
+def compared_speedups(engine, tuned: dict[str, TunedTrees], progress: Optional[Callable[[str], object]] = None) -> dict[str, float]:
+    """The predicted speedups of several heads' tunes, made comparable: each heads' latency model
+    was measured on its own, a few seconds from the others' (`tuned_trees`), and where the
+    machine's speed moves in phases that long, two models disagree by more than the heads do (a
+    2-core EPYC: a 6-node step at 1.18x a plain one in one model, 1.5x in the next). So the tuned
+    trees are timed again in shared rounds (`measure_step_ratios`) and each prediction is scaled by
+    (its model's step ratio / the shared one). Cached per machine beside the trees, unless other
+    processes used the cores meanwhile. {heads: speedup}."""
+    if len(tuned) < 2:
+        return {h: best_speedup(t) for h, t in tuned.items()}
+    trees = {h: t.tree for h, t in tuned.items()}
+    ident = hashlib.sha256(json.dumps({h: [trees_path(engine, h).name, [list(p) for p in trees[h].paths],
+                                           t.meta.get("measured_at")] for h, t in sorted(tuned.items())},
+                                      sort_keys=True).encode()).hexdigest()[:12]
+    path = machine_dir(engine.device) / f"compared-{ident}.json"
+    shared = None
+    if os.environ.get("ENTMTP_TUNE", "1").strip().lower() != "refresh" and path.is_file():
+        try:
+            shared = {h: float(v) for h, v in json.loads(path.read_text())["step_ratios"].items()}
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError):
+            shared = None
+    if shared is None or set(shared) != set(tuned):
+        shared = engine.held_tunes.get(f"compared-{ident}")
+    if shared is None:
+        if progress:
+            progress(f"tuning: {', '.join(tuned)} trees timed side by side")
+        load = CoreLoad()
+        with torch.inference_mode(), torch_threads(decoding_threads(engine)):
+            shared = measure_step_ratios(engine, trees, rounds=FAMILY_RACE_ROUNDS, context_tokens=SHORT_CONTEXT)
+        if busy_note(load, "the side-by-side timing was"):
+            engine.held_tunes[f"compared-{ident}"] = shared
+        else:
+            try:
+                write_json_atomic(path, {"step_ratios": shared, "trees": {h: t.name for h, t in trees.items()},
+                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            except OSError:  # a read-only cache: the comparison holds for this engine
+                engine.held_tunes[f"compared-{ident}"] = shared
+    out = {}
+    for h, t in tuned.items():
+        own = t.latency.cost(t.tree.n_nodes, t.tree.depth) / t.latency.baseline_s
+        ratio = shared.get(h, float("nan"))
+        out[h] = best_speedup(t) * own / ratio if ratio == ratio and ratio > 0 else best_speedup(t)
+    return out
+
+
 def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
     """The entropy bank tuned for these heads here (a one-bucket bank of the static tree where no
     bank paid), or None when nothing was tuned. Taken as an object, never through a file that an
@@ -395,12 +448,15 @@ def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
     return None if t is None else t.bank
 
 
-__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank"]
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
+           "FAMILY_RACE_ROUNDS", "best_speedup", "compared_speedups"]
 
 
-def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) -> dict:
+def machine_profile(engine, progress: Optional[Callable[[str], object]] = None, family: tuple[str, ...] = ()) -> dict:
     """Everything tuned for `engine` on this machine, as one JSON-able dict: fingerprint, the
-    kernel trials and choice, threads, and per loaded heads the tuned tree, bank and latency curve."""
+    kernel trials and choice, threads, and per loaded heads the tuned tree, bank and latency curve.
+    family: heads kinds one method chooses among (entmtp's Hydra family); where two or more are
+    loaded and tuned, "family" holds their speedups timed side by side and the one chosen."""
     prof = engine.kernel_profile
     out = {"fingerprint": prof.fingerprint if prof else None, "dtype": str(engine.dtype).removeprefix("torch."),
            "device": str(engine.device), "kernels": engine.kernels, "kernels_why": engine.kernels_reason,
@@ -425,6 +481,11 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None) 
                                   "predicted_speedup": round(t.long.predicted_speedup, 3),
                                   "short_tree_speedup": round(t.long.short_tree_speedup, 3)},
                               "why": t.why, "draft_lm": draft_lm_entry(engine.runners[name])}
+    tuned = {h: tuned_trees(engine, h) for h in family if h in engine.runners}
+    if len(tuned) >= 2 and all(t is not None for t in tuned.values()):
+        speedups = compared_speedups(engine, tuned, progress=progress)
+        out["family"] = {"heads": max(tuned, key=lambda h: speedups[h]),
+                         "speedups": {h: round(v, 3) for h, v in speedups.items()}}
     return out
 
 
@@ -484,6 +545,10 @@ def format_profile(p: dict) -> str:
             lines.append(f"{name}, long contexts: {long_context_words(h['long_context'])}")
         if h.get("draft_lm"):
             lines.append(f"{name}, drafting: {draft_lm_words(h['draft_lm'])}")
+    if p.get("family"):
+        f = p["family"]
+        lines.append(f"{' / '.join(f['speedups'])} timed side by side: " + ", ".join(
+            f"{h} {v:.2f}x" for h, v in f["speedups"].items()) + f" plain decoding; entmtp drafts with {f['heads']}")
     return "\n".join(x for x in lines if x is not None)
 
 

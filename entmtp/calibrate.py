@@ -1331,6 +1331,44 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     return LatencyModel(baseline, points, meta)
 
 
+def measure_step_ratios(engine: Engine, trees: dict[str, Tree], *, rounds: int = 6, context_tokens: int = 96,
+                        seed: int = 0) -> dict[str, float]:
+    """Each heads' step with its tree over a plain step, all measured in the same rounds: every
+    round times one step of each heads' tree (after an untimed one, `_cycle_times`) and plain steps
+    before and after them. {heads: median over the rounds of step / mean(plain around it)}.
+
+    `measure_latency` times one heads' trees in a few seconds; on a machine whose plain step
+    switches between speeds for seconds at a time (a 2-core EPYC VM: 10 and 12.5 ms while a
+    6-node step held at 15 ms), heads measured a few seconds apart are compared across phases.
+    Here every round's phase is shared by all heads, so their ratios compare."""
+    if not trees:
+        return {}
+    if not 1 <= rounds <= 50:
+        raise ValueError("rounds must be in 1..50")
+    missing = [h for h in trees if h not in engine.runners]
+    if missing:
+        raise ValueError(f"no heads named {', '.join(missing)} loaded")
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.get_input_embeddings().weight.shape[0]
+    ctx = torch.randint(2, max(3, vocab), (max(1, context_tokens),), generator=g).tolist()
+    ctx = ctx[-max(1, min(len(ctx), engine.max_context // 4)):]
+    plain = [Tree.from_paths([])]
+
+    def plain_step() -> float:
+        return statistics.median(_cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None).get(0, [float("nan")]))
+
+    ratios: dict[str, list[float]] = {h: [] for h in trees}
+    before = plain_step()
+    for r in range(rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]  # neither heads always first after the plain steps
+        times = {h: _cycle_times(engine, h, [trees[h]], [0] * 3, ctx, lambda k=1: None).get(0, []) for h in order}
+        after = plain_step()
+        for h, ts in times.items():
+            ratios[h].extend(t / ((before + after) / 2) for t in ts)
+        before = after
+    return {h: statistics.median(v) if v else float("nan") for h, v in ratios.items()}
+
+
 def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, remeasure: bool = False,
                             cache: bool = True, progress: Optional[Progress] = None, **kw) -> LatencyModel:
     """The cached latency model of (model, device, dtype, heads), measured when missing, when
@@ -1354,7 +1392,7 @@ def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, 
     return lm
 
 
-__all__ = ["RuleSpec", "StepRecord", "CalibrationStats", "LatencyModel", "collect_stats", "union_tree",
+__all__ = ["RuleSpec", "StepRecord", "CalibrationStats", "LatencyModel", "collect_stats", "union_tree", "measure_step_ratios",
            "union_tree_for", "measure_latency", "load_or_measure_latency", "latency_cache_path",
            "representative_tree", "expand_by_value", "prior_value", "encode_prompts", "typical_accepted_nodes",
            "machine_info", "size_grid"]

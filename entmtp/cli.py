@@ -26,8 +26,8 @@ from .data import DataError, Prompt, render_prompt
 from .decoding import ContextError, DecodeConfig
 from .hardware import dispatch_env
 from .kernels import KERNELS
-from .methods import (DEFAULT_LOOKUP, METHODS, OUR_METHODS, MethodError, ModelOptions, build_scheduler, load_engine_for,
-                      method_heads, method_lookup, parse_methods)
+from .methods import (DEFAULT_LOOKUP, HYDRA_FAMILY, METHODS, OUR_METHODS, MethodError, ModelOptions, build_scheduler,
+                      load_engine_for, method_heads, method_lookup, parse_methods)
 from .models import ModelLoadError, describe_model
 from .stock_process import StockProcess, StockProcessError
 from .trees import TreeError, resolve_tree
@@ -174,7 +174,7 @@ def cmd_tune(args) -> int:
         os.environ["ENTMTP_TUNE"] = "refresh"
     methods = parse_methods(args.methods, OUR_METHODS)
     engine = load_engine_for(model_options(args), methods)
-    profile = machine_profile(engine, progress=_say)
+    profile = machine_profile(engine, progress=_say, family=HYDRA_FAMILY)
     print(json.dumps(profile, indent=1) if args.json else format_profile(profile))
     return 0
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import scheduler as sched
-from .autotune import LOOKUP_LENGTH, tuned_bank, tuned_trees
+from .autotune import LOOKUP_LENGTH, compared_speedups, tuned_bank, tuned_trees
 from .decoding import DecodeConfig, Engine, GenerationResult
 from .models import load_engine
 from .threads import default_threads, torch_threads
@@ -121,16 +121,18 @@ def method_heads(method: str, runners: Optional[Iterable[str]] = None, engine: O
 def fastest_family(engine: Engine) -> Optional[str]:
     """Among the Hydra-family heads loaded on `engine`, the one whose tuned trees predict the most
     tokens/s here (draft cost included: Hydra++'s extra layer pays on some machines and not on
-    others). None when fewer than two are loaded or nothing was tuned (ENTMTP_TUNE=0)."""
+    others), their step costs timed side by side (`autotune.compared_speedups`). None when fewer
+    than two are loaded or nothing was tuned (ENTMTP_TUNE=0)."""
     loaded = [h for h in HYDRA_FAMILY if h in engine.runners]
     if len(loaded) < 2:
         return None
-    predicted = {}
+    tuned = {}
     for h in loaded:
         t = tuned_trees(engine, h, progress=_stderr)
         if t is None:
             return None
-        predicted[h] = max(t.predicted_speedup, t.bank_speedup or 0.0)
+        tuned[h] = t
+    predicted = compared_speedups(engine, tuned, progress=_stderr)
     return max(loaded, key=lambda h: predicted[h])
 
 

@@ -331,7 +331,7 @@ def machine_profile_of(entry: "LoadedModel") -> dict:
     from .autotune import machine_profile
 
     try:
-        return machine_profile(entry.engine)
+        return machine_profile(entry.engine, family=registry.HYDRA_FAMILY)
     except Exception as exc:  # noqa: BLE001 - the profile is shown, never required
         log.warning("machine profile: %s", exc)
         return {"error": _one_line(str(exc), 200)}

@@ -124,6 +124,10 @@ def profile_html(profile: dict, dtype_why: str = "") -> str:
             lines.append(f"<b>{e(name)} tree, long contexts</b>: {e(long_context_words(h['long_context']))}")
         if h.get("draft_lm"):
             lines.append(f"<b>{e(name)} drafting</b>: {e(draft_lm_words(h['draft_lm']))}")
+    if profile.get("family"):
+        f = profile["family"]
+        lines.append(f"<b>entmtp drafts with {e(f['heads'])}</b>: the Hydra-family trees timed side by side predict "
+                     + e(", ".join(f"{h} {v:.2f}x" for h, v in f["speedups"].items())) + " plain decoding")
     return '<div class="entmtp-model">' + "<br>".join(lines) + "</div>" + kernel_table(profile)
 
 

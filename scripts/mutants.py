@@ -147,6 +147,11 @@ MUTANTS = (
            "good one was", "entmtp/paths.py",
            '    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")', "    tmp = path",
            ("tests/test_paths.py::test_json_is_written_whole_or_not_at_all",)),
+    Mutant("kinds_compared_apart", "entmtp's Hydra-family heads chosen by latency models measured apart, the "
+           "side-by-side timing ignored", "entmtp/autotune.py",
+           "        out[h] = best_speedup(t) * own / ratio if ratio == ratio and ratio > 0 else best_speedup(t)",
+           "        out[h] = best_speedup(t)",
+           ("tests/test_tuning.py::test_heads_measured_apart_are_compared_by_their_trees_timed_side_by_side",)),
 )
 
 

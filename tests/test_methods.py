@@ -68,12 +68,19 @@ def test_family_heads_are_the_fastest_tuned_here(monkeypatch):
     from types import SimpleNamespace
 
     from entmtp import methods
+    from entmtp.autotune import best_speedup
 
     engine = SimpleNamespace(runners={"hydra": object(), "hydra++": object(), "medusa": object()})
     predicted = {"hydra": SimpleNamespace(predicted_speedup=1.9, bank_speedup=None),
                  "hydra++": SimpleNamespace(predicted_speedup=1.6, bank_speedup=1.7)}
     monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: predicted[h])
+    timed_apart = {"hydra": 1.0, "hydra++": 1.0}  # the side-by-side timing's correction of each prediction
+    monkeypatch.setattr(methods, "compared_speedups",
+                        lambda eng, tuned, progress=None: {h: best_speedup(t) * timed_apart[h] for h, t in tuned.items()})
     assert methods.fastest_family(engine) == "hydra"
+    timed_apart["hydra++"] = 1.2  # timed beside Hydra, Hydra++'s steps were cheaper than its own model said
+    assert methods.fastest_family(engine) == "hydra++"
+    timed_apart["hydra++"] = 1.0
     assert method_heads("entmtp", engine=engine) == "hydra" and method_heads("hydra++", engine=engine) == "hydra++"
     predicted["hydra++"] = SimpleNamespace(predicted_speedup=1.6, bank_speedup=2.1)  # its bank wins
     assert method_heads("entmtp", engine=engine) == "hydra++"

@@ -484,3 +484,53 @@ def test_trees_that_cannot_be_cached_are_held_for_the_process_and_it_says_why(tu
     held = autotune.tuned_trees(eng, "hydra")
     assert held.why.endswith("(not cached: Permission denied)") and not autotune.trees_path(eng, "hydra").exists()
     assert autotune.tuned_trees(eng, "hydra") is held and len(measured) == 1
+
+
+def test_heads_measured_apart_are_compared_by_their_trees_timed_side_by_side(tuning_on, monkeypatch):
+    """Two heads' latency models, each measured on its own, can sit in different phases of a
+    machine's speed; their tuned trees are timed again in shared rounds and each prediction is
+    scaled by (its own model's step ratio / the shared one). The shared timing is cached, and a
+    timing taken while other processes used the cores is held by the engine only."""
+    from entmtp import calibrate
+
+    model = tiny_model("llama", vocab=96, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3),
+                               "hydra++": random_heads(model, "hydra", num_heads=3, prefix=True, seed=1)}, kernels="stock")
+    real = calibrate.measure_step_ratios(eng, {"hydra": autotune.Tree.from_paths([[0], [1], [0, 0]]),
+                                               "hydra++": autotune.Tree.from_paths([[0]])}, rounds=2, context_tokens=16)
+    assert set(real) == {"hydra", "hydra++"} and all(0 < r < 100 for r in real.values())
+    with pytest.raises(ValueError, match="no heads named medusa"):
+        calibrate.measure_step_ratios(eng, {"medusa": autotune.Tree.from_paths([[0]])})
+
+    tuned = {}
+    for h in ("hydra", "hydra++"):
+        stats = collect_stats(eng, h, [[5, 9, 11, 5, 9, 30], [7, 7, 7, 20, 21, 22]], max_new_tokens=24, max_rank=8)
+        monkeypatch.setattr(autotune, "shipped_stats", lambda runner, stats=stats: stats)
+        tuned[h] = autotune.tuned_trees(eng, h)
+    own = {h: t.latency.cost(t.tree.n_nodes, t.tree.depth) / t.latency.baseline_s for h, t in tuned.items()}
+    timings = []
+    shared = {"hydra": 2.0 * own["hydra"], "hydra++": 0.5 * own["hydra++"]}
+    monkeypatch.setattr(autotune, "measure_step_ratios", lambda e, trees, **kw: timings.append(set(trees)) or dict(shared))
+    out = autotune.compared_speedups(eng, tuned)
+    assert out["hydra"] == pytest.approx(autotune.best_speedup(tuned["hydra"]) / 2)
+    assert out["hydra++"] == pytest.approx(autotune.best_speedup(tuned["hydra++"]) * 2)
+    assert timings == [{"hydra", "hydra++"}]
+    assert autotune.compared_speedups(eng, tuned) == out and len(timings) == 1  # read back, not timed again
+    assert autotune.compared_speedups(eng, {"hydra": tuned["hydra"]}) == {"hydra": autotune.best_speedup(tuned["hydra"])}
+    from entmtp.ui_machine import profile_html
+
+    prof = autotune.machine_profile(eng, family=("hydra++", "hydra"))
+    chosen = max(out, key=out.get)
+    assert prof["family"]["heads"] == chosen and len(timings) == 1
+    assert f"entmtp drafts with {chosen}" in autotune.format_profile(prof) and f"entmtp drafts with {chosen}" in profile_html(prof)
+    assert "family" not in autotune.machine_profile(eng)
+
+    for f in autotune.machine_dir(eng.device).glob("compared-*.json"):
+        f.unlink()
+    monkeypatch.setattr(autotune, "CoreLoad", _Load)
+    _Load.others_cores = 1.0
+    fresh = Engine(model, None, {h: eng.runners[h].heads for h in eng.runners}, kernels="stock")
+    assert autotune.compared_speedups(fresh, tuned) == out and len(timings) == 2
+    assert not list(autotune.machine_dir(eng.device).glob("compared-*.json"))  # busy: not cached
+    assert autotune.compared_speedups(fresh, tuned) == out and len(timings) == 2  # held by the engine
+    _Load.others_cores = 0.0
