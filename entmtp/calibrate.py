@@ -1257,6 +1257,12 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
     return times
 
 
+def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> list[float]:
+    """Step times `ts` over the mean of the plain steps timed just before and just after them:
+    a load change between the two hits the tree's steps and their yardstick alike."""
+    return [t / ((before + after) / 2) for t in ts]
+
+
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None) -> LatencyModel:
@@ -1318,7 +1324,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
             times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick)
             after = plain_step()
             for j, ts in times.items():
-                ratios.setdefault(j, []).extend(t / ((before + after) / 2) for t in ts)
+                ratios.setdefault(j, []).extend(ratios_to_plain_around(ts, before, after))
             before = after
         tick(3)
     baseline = min(base) if base else float("nan")
@@ -1364,7 +1370,7 @@ def measure_step_ratios(engine: Engine, trees: dict[str, Tree], *, rounds: int =
         times = {h: _cycle_times(engine, h, [trees[h]], [0] * 3, ctx, lambda k=1: None).get(0, []) for h in order}
         after = plain_step()
         for h, ts in times.items():
-            ratios[h].extend(t / ((before + after) / 2) for t in ts)
+            ratios[h].extend(ratios_to_plain_around(ts, before, after))
         before = after
     return {h: statistics.median(v) if v else float("nan") for h, v in ratios.items()}
 
