@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from typing import Optional
 
 import torch

@@ -40,7 +40,7 @@ def main() -> int:
     if not rows or min(rows) < 1 or a.context < 1 or a.forwards < 1:
         ap.error("--rows, --context and --forwards must be positive")
     engine = load_engine(a.model, heads={}, dtype=a.dtype, progress=None)
-    twin, dtype = engine.decode_model, engine.dtype
+    twin = engine.decode_model
     print(f"kernels: {engine.kernels}; {torch.get_num_threads()} threads; {a.forwards} forwards of each row count "
           f"after {a.context} cached tokens\n")
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_lossless_and_near_stock, random_heads, tiny_model
-from entmtp import attention, hardware, kernels
+from entmtp import attention, kernels
 from entmtp.decoding import Engine
 from entmtp.heads import PrefixState
 from entmtp.trees import resolve_tree

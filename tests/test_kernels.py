@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conftest import assert_lossless_and_near_stock, random_heads, tiny_model
-from entmtp import attention, hardware, kernels
+from entmtp import hardware, kernels
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.trees import resolve_tree
 
@@ -875,7 +875,7 @@ def test_fused_prefix_layer_is_the_hydrapp_layer_up_to_rounding(panels_only, mon
     hidden, more = torch.randn(9, h).to(torch.bfloat16), torch.randn(3, h).to(torch.bfloat16)
     exact = copy.deepcopy(heads.prefix).float()
     with torch.inference_mode():
-        (sa, fa), (sb, fb) = fused.start(hidden), stock.start(hidden)
+        (sa, fa), (sb, _) = fused.start(hidden), stock.start(hidden)
         se = PrefixState(dtype=torch.float32)
         fe = exact(hidden.float()[None], se)[0, -1]
         # a prompt, then continuations of one and of three rows (causal over the cached keys)

@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from entmtp.decoding import DecodeConfig
 from entmtp.lookup import NgramIndex, graft_chain
