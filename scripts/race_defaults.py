@@ -3,8 +3,8 @@
 
 * served: `python app.py` started on a free local port, its race run as a user runs it: with
   `--via browser` (the default where Debian's chromium and playwright are installed) a headless
-  chromium opens the page, which loads the model and draws the machine profile, and clicks Race
-  (the tab's own defaults); with `--via api` the `race` endpoint is called over HTTP (`gradio_client`);
+  chromium opens the page, which loads the model and draws the machine profile, clicks Race (the
+  tab's own defaults) and prints the Machine tab's text; with `--via api` the `race` endpoint is called over HTTP (`gradio_client`);
 * in-process: the same handler (`ui_race.race`) called directly in this script's main thread.
 
 The two differ where the app's threads or the browser's load do. No asserts.
@@ -77,7 +77,11 @@ def race_in_browser(url: str, timeout_ms: int = 900_000) -> int:
         cards = page.evaluate("""() => [...document.querySelectorAll('#race_cards .entmtp-card')].map(
             c => [c.dataset.method, c.dataset.tokensPerS, c.dataset.speedup, c.dataset.speedupOurs])""")
         status = page.inner_text("#race_status")
+        page.get_by_role("tab", name="Machine").click()
+        page.wait_for_function("() => !(document.querySelector('#machine_info')?.innerText || 'loading').includes('loading')")
+        machine = page.inner_text("#machine_info")
         browser.close()
+    print("the Machine tab, as drawn:\n" + "\n".join("    " + line for line in machine.splitlines() if line.strip()) + "\n")
     rows = [[m, f"{float(t):.1f}", f"×{float(g):.2f}", f"×{float(o):.2f}"] for m, t, g, o in cards]
     return _print_table(["method", "tok/s (median run)", "× generate", "× our loop"], rows, status)
 
