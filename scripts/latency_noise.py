@@ -9,8 +9,15 @@ differ, the kind and tree the tuner picks rest on the moment it measured.
 loop, Hydra with an empty tree (root-only steps), Hydra with a 6-node tree -- printing each one's
 median step: whether the plain step and the tree step move together or apart over time.
 
+`--by-emitted N`: each kind decodes N bench prompts (96 tokens) with its tuned tree, beside our plain
+loop on the same prompt; prints the median step by the tokens a step emitted. The tuner times trees
+on random tokens, where drafts are rarely accepted: if a step cost more when more of its tree is
+accepted (more KV rows kept, more rows through a Hydra++ prefix layer), its latency model would
+run low.
+
     python scripts/latency_noise.py --models 3 [--kinds hydra,hydra++] [--dtype bfloat16]
     python scripts/latency_noise.py --alternate 8
+    python scripts/latency_noise.py --by-emitted 4
 """
 
 import argparse
@@ -60,15 +67,39 @@ def alternate(engine, rounds: int) -> None:
         print(f"| {r + 1} | {p:.2f} | {h0:.2f} | {h6:.2f} | {h6 / p:.2f}x |", flush=True)
 
 
+def by_emitted(engine, kinds: list[str], n_prompts: int) -> None:
+    from entmtp.autotune import tuned_trees
+    from entmtp.bench import BenchConfig, load_bench_prompts
+    from entmtp.calibrate import encode_prompts
+
+    _, prompts = load_bench_prompts(BenchConfig(per_category=1))
+    cfg = DecodeConfig(max_new_tokens=96)
+    ms = lambda v: f"{statistics.median(v) * 1e3:.1f}" if v else "-"  # noqa: E731
+    print("| heads | prompt | plain loop step ms | tree step ms, 1 token emitted | 2 | 3 | 4+ | steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds:
+        tuned = tuned_trees(engine, kind)
+        tree = tuned.tree if tuned is not None else Tree.from_paths([[0], [0, 0]])
+        for p, (_, ids) in enumerate(encode_prompts(engine, prompts[:n_prompts])):
+            plain = [s.time_total for s in engine.generate(ids, config=cfg)][2:]
+            by: dict[int, list[float]] = {1: [], 2: [], 3: [], 4: []}
+            steps = list(engine.generate(ids, heads=kind, tree=tree, config=cfg))[2:]
+            for s in steps:
+                by[min(4, max(1, len(s.emitted)))].append(s.time_total)
+            print(f"| {kind} ({tree.name}) | {p + 1} | {ms(plain)} | " + " | ".join(ms(by[k]) for k in (1, 2, 3, 4))
+                  + f" | {len(steps)} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=int, default=0, help="rounds of latency models per kind")
     ap.add_argument("--alternate", type=int, default=0, help="rounds of plain / root-only / tree generations")
+    ap.add_argument("--by-emitted", type=int, default=0, help="bench prompts decoded by each kind with its tuned tree")
     ap.add_argument("--kinds", default="hydra,hydra++")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args()
-    if not (args.models or args.alternate):
-        ap.error("give --models N or --alternate N")
+    if not (args.models or args.alternate or args.by_emitted):
+        ap.error("give --models N, --alternate N or --by-emitted N")
     kinds = [k for k in args.kinds.split(",") if k]
     if args.alternate and "hydra" not in kinds:
         kinds.append("hydra")
@@ -79,6 +110,8 @@ def main() -> None:
             models(engine, [k for k in args.kinds.split(",") if k], args.models)
         if args.alternate:
             alternate(engine, args.alternate)
+        if args.by_emitted:
+            by_emitted(engine, [k for k in args.kinds.split(",") if k], args.by_emitted)
     print(f"({time.time() - t:.0f} s)")
 
 
