@@ -121,20 +121,41 @@ def _packing_unavailable(dtype: torch.dtype) -> Optional[str]:
     return _onednn_packing_unavailable(dtype)
 
 
-STALE_BUILD_LOCK_S = 600  # no build of the panel kernels takes this long
+BUILD_LOCK_TIMEOUT_S = 900.0  # a build takes about 20 s; past this another process's build is taken as hung
 
 
-def _clear_stale_build_lock(build: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
-    """Remove a build lock left by a process killed mid-build (torch's builder would wait on it
-    forever); a fresh lock (another process building now) is left alone. True when removed."""
-    lock = build / "lock"
+@contextlib.contextmanager
+def _build_lock(build: Path, timeout_s: float = BUILD_LOCK_TIMEOUT_S):
+    """Hold the build directory for one process. torch's builder guards a build with a lock *file*
+    that a process killed mid-build leaves behind, and every later build waits on it forever; this
+    lock is the operating system's, released when its holder dies. Any torch lock file found while
+    holding it is such a leftover (every builder holds this lock first), so it is removed.
+    Raises RuntimeError after `timeout_s` of another process holding it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(build / "entmtp-build.lock"), timeout=timeout_s)
     try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-            return True
-    except FileNotFoundError:
-        pass
-    return False
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"another process has been building in {build} for over {timeout_s:.0f} s") from None
+    try:
+        (build / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        lock.release()
+
+
+def _staged_source(build: Path) -> Path:
+    """The kernel source copied into its build directory (rewritten only when it differs): the
+    build's inputs then do not depend on where entmtp is installed, so a second checkout sharing
+    the cache loads the built library instead of rebuilding it under running processes."""
+    staged = build / PANELS_SOURCE.name
+    text = PANELS_SOURCE.read_bytes()
+    if not staged.is_file() or staged.read_bytes() != text:
+        tmp = staged.with_name(staged.name + f".{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        os.replace(tmp, staged)
+    return staged
 
 
 def _panels_unavailable() -> Optional[str]:
@@ -165,9 +186,8 @@ def _build_panels() -> Optional[str]:
     build = cache_dir() / "kernels" / f"{name}-torch-{torch.__version__}"
     try:
         build.mkdir(parents=True, exist_ok=True)
-        _clear_stale_build_lock(build)
-        with _ninja_on_path():
-            load(name=name, sources=[str(PANELS_SOURCE)], build_directory=str(build),
+        with _build_lock(build), _ninja_on_path():
+            load(name=name, sources=[str(_staged_source(build))], build_directory=str(build),
                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
         torch.ops.entmtp_cpu.bf16_pack_panels(torch.zeros(16, 8, dtype=torch.bfloat16))

@@ -10,9 +10,8 @@ replacement. When a refactor moves or rewrites the text, the patch stops with an
 of reporting a bug that was never put in (tests/test_mutants.py checks that every patch still
 applies to the current sources). The copy is taken from the working tree (tracked and untracked,
 not ignored files); its tests run with the copy first on PYTHONPATH and as the working directory,
-with this script's Python (run it with the virtual environment's) and a cache of their own (the
-copy builds entmtp's kernels once there: its sources sit at another path, and torch's builder
-would otherwise rebuild the shared ones under running processes). The unpatched copy must pass
+with this script's Python (run it with the virtual environment's) and a cache of their own (a
+mutant's measurements and kernel builds never reach the cache other processes read). The unpatched copy must pass
 the same tests first, so that a failure means the mutant was caught, not a broken environment.
 """
 
@@ -147,6 +146,9 @@ MUTANTS = (
            "good one was", "entmtp/paths.py",
            '    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")', "    tmp = path",
            ("tests/test_paths.py::test_json_is_written_whole_or_not_at_all",)),
+    Mutant("build_baton_kept", "a build killed mid-way leaves torch's lock file and the next build waits on it",
+           "entmtp/kernels.py", '        (build / "lock").unlink(missing_ok=True)', "        pass",
+           ("tests/test_kernels.py::test_a_build_killed_midway_does_not_stall_the_next",)),
     Mutant("kinds_compared_apart", "entmtp's Hydra-family heads chosen by latency models measured apart, the "
            "side-by-side timing ignored", "entmtp/autotune.py",
            "        out[h] = best_speedup(t) * own / ratio if ratio == ratio and ratio > 0 else best_speedup(t)",

@@ -580,18 +580,45 @@ def test_panel_twin_decodes_the_same_tokens_as_stock(monkeypatch):
         pass
 
 
-def test_a_stale_build_lock_is_cleared_a_fresh_one_kept(tmp_path):
-    """A build killed mid-way leaves torch's lock file, on which every later build would wait forever."""
-    import os
-    import time
+def test_a_build_killed_midway_does_not_stall_the_next(tmp_path):
+    """A build killed mid-way leaves torch's lock file, on which every later build waited forever.
+    The build lock is the operating system's: it dies with its holder, and under it the leftover
+    file goes. While a live process builds, the next one waits, then gives a one-line reason."""
+    import subprocess
+    import sys
 
-    lock = tmp_path / "lock"
-    assert not kernels._clear_stale_build_lock(tmp_path)  # no lock: nothing to do
-    lock.write_text("")
-    assert not kernels._clear_stale_build_lock(tmp_path) and lock.exists()  # someone is building now
-    old = time.time() - kernels.STALE_BUILD_LOCK_S - 5
-    os.utime(lock, (old, old))
-    assert kernels._clear_stale_build_lock(tmp_path) and not lock.exists()
+    baton = tmp_path / "lock"
+    baton.write_text("")  # as a killed build leaves it
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from filelock import FileLock; "
+        f"lock = FileLock({str(tmp_path / 'entmtp-build.lock')!r}); lock.acquire(); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=r"^another process has been building in .* for over 0 s$"):
+            with kernels._build_lock(tmp_path, timeout_s=0.3):
+                pass
+        assert baton.exists()  # a live builder's files are left alone
+    finally:
+        holder.kill()
+        holder.wait()
+    with kernels._build_lock(tmp_path, timeout_s=5):  # its holder died: taken at once
+        assert not baton.exists()
+
+
+def test_the_build_reads_a_copy_of_the_source_beside_it(tmp_path, monkeypatch):
+    """Two checkouts sharing the cache build from the same path, so the second loads the first's library."""
+    src = tmp_path / "k.cpp"
+    src.write_text("int a;\n")
+    monkeypatch.setattr(kernels, "PANELS_SOURCE", src)
+    build = tmp_path / "build"
+    build.mkdir()
+    staged = kernels._staged_source(build)
+    assert staged == build / "k.cpp" and staged.read_text() == "int a;\n"
+    mtime = staged.stat().st_mtime_ns
+    assert kernels._staged_source(build).stat().st_mtime_ns == mtime  # unchanged: not rewritten
+    src.write_text("int b;\n")
+    assert kernels._staged_source(build).read_text() == "int b;\n"
 
 
 def test_a_failed_build_gives_a_one_line_reason(tmp_path, monkeypatch):
