@@ -430,8 +430,10 @@ def compared_speedups(engine, tuned: dict[str, TunedTrees], progress: Optional[C
             try:
                 write_json_atomic(path, {"step_ratios": shared, "trees": {h: t.name for h, t in trees.items()},
                                          "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-            except OSError:  # a read-only cache: the comparison holds for this engine
+            except OSError as e:  # a read-only cache: the comparison holds for this engine, which says so
                 engine.held_tunes[f"compared-{ident}"] = shared
+                if progress:
+                    progress(f"tuning: the side-by-side timing is not cached ({e.strerror or e}); it holds for this process")
     out = {}
     for h, t in tuned.items():
         own = t.latency.cost(t.tree.n_nodes, t.tree.depth) / t.latency.baseline_s

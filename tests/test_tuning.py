@@ -534,3 +534,12 @@ def test_heads_measured_apart_are_compared_by_their_trees_timed_side_by_side(tun
     assert not list(autotune.machine_dir(eng.device).glob("compared-*.json"))  # busy: not cached
     assert autotune.compared_speedups(fresh, tuned) == out and len(timings) == 2  # held by the engine
     _Load.others_cores = 0.0
+
+    def read_only(path, data, **kw):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(autotune, "write_json_atomic", read_only)
+    said = []
+    third = Engine(model, None, {h: eng.runners[h].heads for h in eng.runners}, kernels="stock")
+    assert autotune.compared_speedups(third, tuned, progress=said.append) == out and len(timings) == 3
+    assert said[-1] == "tuning: the side-by-side timing is not cached (Permission denied); it holds for this process"
+    assert autotune.compared_speedups(third, tuned) == out and len(timings) == 3  # held, not timed again
