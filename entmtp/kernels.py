@@ -73,7 +73,7 @@ from torch.nn.modules import module as _torch_module
 
 from .attention import fp32_sdpa_attention, use_fp32_attention
 from .hardware import amx_emulated, cpu_isa, fast_bf16_matmul, isa_at_least
-from .paths import cache_dir
+from .paths import atomic_file, cache_dir
 
 # kernel sets for the decoding twin: "stock" (transformers' own), "onednn" (linears prepacked for
 # oneDNN), "onednn-trees" (float32: prepacked for tree rows, transformers' own for a one-row step,
@@ -152,9 +152,8 @@ def _staged_source(build: Path) -> Path:
     staged = build / PANELS_SOURCE.name
     text = PANELS_SOURCE.read_bytes()
     if not staged.is_file() or staged.read_bytes() != text:
-        tmp = staged.with_name(staged.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(text)
-        os.replace(tmp, staged)
+        with atomic_file(staged, "wb") as f:
+            f.write(text)
     return staged
 
 
