@@ -100,18 +100,17 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.models or args.alternate or args.by_emitted):
         ap.error("give --models N, --alternate N or --by-emitted N")
-    kinds = [k for k in args.kinds.split(",") if k]
-    if args.alternate and "hydra" not in kinds:
-        kinds.append("hydra")
+    asked = [k for k in args.kinds.split(",") if k]
+    kinds = asked + (["hydra"] if args.alternate and "hydra" not in asked else [])
     engine = load_engine("default", {k: k for k in kinds}, dtype=args.dtype, progress=None)
     t = time.time()
     with torch.inference_mode():
         if args.models:
-            models(engine, [k for k in args.kinds.split(",") if k], args.models)
+            models(engine, asked, args.models)
         if args.alternate:
             alternate(engine, args.alternate)
         if args.by_emitted:
-            by_emitted(engine, [k for k in args.kinds.split(",") if k], args.by_emitted)
+            by_emitted(engine, asked, args.by_emitted)
     print(f"({time.time() - t:.0f} s)")
 
 
