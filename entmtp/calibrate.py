@@ -58,7 +58,7 @@ import torch
 
 from .acceptance import AcceptanceRule, Sampling, TypicalRule, make_rule, warp
 from .data import DataError, Prompt, render_prompt
-from .decoding import DecodeConfig, Engine
+from .decoding import DecodeConfig, Engine, Prefill
 from .hardware import cpu_isa, hardware_class
 from .models import describe_model
 from .paths import cache_dir, write_json_atomic
@@ -72,8 +72,9 @@ LATENCY_FORMAT = "entmtp-latency/1"
 # How steps are timed (bump when `measure_latency` changes what it measures; older caches are
 # measured again): 2 = warm step before each timed one, context window, dense size grid;
 # 3 = plain steps interleaved with the rounds, fastest of the repeats; 4 = each tree as a ratio to
-# the plain steps timed around its generation, the median of the rounds.
-LATENCY_PROTOCOL = 4
+# the plain steps timed around its generation, the median of the rounds; 5 = every generation of a
+# measurement starts from one prefill of the context (`context_prefill`).
+LATENCY_PROTOCOL = 5
 
 # Bounds on the expensive parameters (the app passes user input straight through).
 MAX_UNION_NODES = 512
@@ -1210,9 +1211,10 @@ LATENCY_WINDOW = 128  # most tokens one measuring generation adds to its context
 
 
 def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequence: list[int],
-                 ids: list[int], progress: Callable[[int], Any]) -> dict[int, list[float]]:
+                 ids: list[int], progress: Callable[[int], Any], prefill: Optional[Prefill] = None) -> dict[int, list[float]]:
     """Step times of the trees `bank[j]` for j in `sequence`, in that order, in as few
-    generations (prefills) as the context allows. Returns {j: [seconds, ...]}.
+    generations as the context allows, each started from `prefill` (`context_prefill`) where
+    given, else from a prefill of its own. Returns {j: [seconds, ...]}.
 
     Two things keep the measurement close to what decoding pays (both measured on the 2-core
     CPU of docs/bench, where together they had inflated a 64-node step from 90 to 125 ms and a
@@ -1232,9 +1234,9 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
         plan = [j for j in chunk for _ in (0, 1)]  # (warm, timed) per tree
         cfg = DecodeConfig(max_new_tokens=(len(plan) + 1) * per_step + 1, eos_token_ids=())
         if heads is None:
-            gen = engine.generate(ids, config=cfg)
+            gen = engine.generate(ids, config=cfg, prefill=prefill)
         else:
-            gen = engine.generate(ids, heads=heads, scheduler=_Cycle(bank, plan), config=cfg)
+            gen = engine.generate(ids, heads=heads, scheduler=_Cycle(bank, plan), config=cfg, prefill=prefill)
         k = -1
         for step in gen:
             if step.time_verify <= 0:
@@ -1255,6 +1257,16 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
                     raise ValueError("the latency measurement made no progress (context too short?)")
                 todo = chunk[done:] + todo
     return times
+
+
+def context_prefill(engine: Engine, ids: list[int], heads: Optional[str] = None) -> Optional[Prefill]:
+    """The measuring context's prefill, for every generation of a measurement to start from
+    (plain steps and the steps of `heads` or of heads reading the same base layers): timing ~30
+    steps after 1,536 cached tokens took ~2 s of prefill for each generation of ~0.3 s of steps.
+    None where the model's cache cannot be cropped back (sliding-window layers): each generation
+    then prefills the context itself."""
+    p = engine.prefill(ids, heads=heads)
+    return p if p.rewindable else None
 
 
 def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> list[float]:
@@ -1311,9 +1323,10 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     per_gen = _trees_per_generation(engine, bank, ctx)
     ratios: dict[int, list[float]] = {}
     base: list[float] = []
+    pre = context_prefill(engine, ctx, heads)
 
     def plain_step() -> float:
-        ts = _cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None).get(0, [])
+        ts = _cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None, pre).get(0, [])
         base.extend(ts)
         return statistics.median(ts)
 
@@ -1321,7 +1334,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     for _ in range(repeats):
         order = list(range(len(bank)))
         for c in range(0, len(order), per_gen):
-            times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick)
+            times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick, pre)
             after = plain_step()
             for j, ts in times.items():
                 ratios.setdefault(j, []).extend(ratios_to_plain_around(ts, before, after))
@@ -1359,15 +1372,20 @@ def measure_step_ratios(engine: Engine, trees: dict[str, Tree], *, rounds: int =
     ctx = torch.randint(2, max(3, vocab), (max(1, context_tokens),), generator=g).tolist()
     ctx = ctx[-max(1, min(len(ctx), engine.max_context // 4)):]
     plain = [Tree.from_paths([])]
+    pre: dict[str, Optional[Prefill]] = {}  # heads reading the same base layers share one
+    for h in trees:
+        same = next((g for g in pre if engine.runners[g].feature_layers == engine.runners[h].feature_layers), None)
+        pre[h] = pre[same] if same is not None else context_prefill(engine, ctx, h)
+    plain_pre = next(iter(pre.values()))
 
     def plain_step() -> float:
-        return statistics.median(_cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None).get(0, [float("nan")]))
+        return statistics.median(_cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None, plain_pre).get(0, [float("nan")]))
 
     ratios: dict[str, list[float]] = {h: [] for h in trees}
     before = plain_step()
     for r in range(rounds):
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]  # neither heads always first after the plain steps
-        times = {h: _cycle_times(engine, h, [trees[h]], [0] * 3, ctx, lambda k=1: None).get(0, []) for h in order}
+        times = {h: _cycle_times(engine, h, [trees[h]], [0] * 3, ctx, lambda k=1: None, pre[h]).get(0, []) for h in order}
         after = plain_step()
         for h, ts in times.items():
             ratios[h].extend(ratios_to_plain_around(ts, before, after))

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from .acceptance import AcceptanceRule, GreedyRule, Sampling, make_rule
 from .hardware import synchronize
@@ -26,7 +27,7 @@ from .heads import DraftHeads, HeadRunner
 from .kernels import decode_model, tree_mask_dtype
 from .threads import ThreadGovernor, adaptive_threads_possible
 from .tuning import apply_threads, kernel_profile
-from .kvcache import decoding_cache
+from .kvcache import GrowingLayer, decoding_cache
 from .lookup import NgramIndex, graft_chain
 from .scheduler import DraftContext, Scheduler, StepSignals, as_scheduler
 from .trace import GenerationResult, Step
@@ -73,6 +74,50 @@ class DecodeConfig:
 def _entropy_prob(logits: torch.Tensor, token: int) -> tuple[float, float]:
     lp = torch.log_softmax(logits.float(), -1)
     return float(-(lp.exp() * lp).sum()), float(lp[token].exp())
+
+
+@dataclass
+class Prefill:
+    """A prompt's prefill, kept so that many generations start from it without computing it again
+    (`Engine.prefill`): the tuner times hundreds of steps after the same context, and at 1,536
+    cached tokens a prefill of the embedded model cost ~2 s on a 2-core CPU where a step costs
+    ~25 ms. Each start crops the cache back to the prompt (`GrowingLayer`: a length; transformers'
+    `DynamicLayer`: a slice), so one generation at a time decodes from it."""
+
+    prompt: list[int]
+    cache: Any  # the decoding cache (`kvcache.decoding_cache`) after the prompt
+    logits: torch.Tensor  # [V] after the last prompt token
+    hidden: Optional[torch.Tensor]  # [T, F] the heads' features of the prompt (`verify.base_features`); None: no heads
+    layers: tuple[int, ...]  # the base layers `hidden` holds besides the last hidden state
+    owner: Optional[object] = None  # the generation decoding from it now
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether every cache layer can be cropped back to the prompt exactly (sliding-window
+        layers drop early positions, so a model with them prefills each generation)."""
+        layers = getattr(self.cache, "layers", None)
+        return layers is not None and all(type(layer) in (GrowingLayer, DynamicLayer) for layer in layers)
+
+    def fits(self, runner: Optional[HeadRunner]) -> bool:
+        """Whether a generation with `runner` (None: plain decoding) can start from it."""
+        return runner is None or (self.hidden is not None and tuple(runner.feature_layers) == self.layers)
+
+    def start(self, owner: object) -> None:
+        """Hand the prefill to `owner`: the cache cropped back to the prompt."""
+        extra = self.cache.get_seq_length() - len(self.prompt)
+        if extra:
+            if not self.rewindable:
+                raise ValueError("this prefill's cache cannot be cropped back to its prompt (sliding-window layers); prefill again")
+            self.cache.crop(-extra)
+        self.owner = owner
+
+
+def run_prefill(model, prompt: list[int], cache, device, layers: Optional[Sequence[int]]) -> Prefill:
+    """The prompt through `model` into `cache`. layers: the base layers the heads read besides the
+    last hidden state (None: no heads, no features kept)."""
+    ids = torch.tensor([prompt], device=device)
+    logits, hidden = forward(model, ids, cache, hidden=layers is not None, layers=layers or (), logits_to_keep=1)
+    return Prefill(list(prompt), cache, logits[-1], hidden, tuple(layers or ()))
 
 
 class Engine:
@@ -141,8 +186,10 @@ class Engine:
 
     def generate(self, input_ids: Sequence[int] | torch.Tensor, *, heads: Optional[str] = None,
                  tree: Optional[Tree] = None, scheduler: Optional[Scheduler] = None,
-                 config: Optional[DecodeConfig] = None, rule: Optional[AcceptanceRule] = None) -> "Generation":
-        """Start one generation. heads=None means baseline (root-only tree, no drafting)."""
+                 config: Optional[DecodeConfig] = None, rule: Optional[AcceptanceRule] = None,
+                 prefill: Optional[Prefill] = None) -> "Generation":
+        """Start one generation. heads=None means baseline (root-only tree, no drafting).
+        prefill: this prompt's `Engine.prefill`, started from instead of computing the prompt again."""
         runner = None
         if heads is not None:
             if heads not in self.runners:
@@ -153,7 +200,26 @@ class Engine:
             sched = None
         elif sched is None:
             raise ValueError("speculative decoding needs a tree or a scheduler")
-        return Generation(self, input_ids, runner, sched, config or DecodeConfig(), rule)
+        return Generation(self, input_ids, runner, sched, config or DecodeConfig(), rule, prefill)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: Sequence[int] | torch.Tensor, *, heads: Optional[str] = None) -> Prefill:
+        """The prompt's prefill, for `generate(..., prefill=)` to start from as often as wanted
+        (one generation at a time): plain decoding, and `heads` or any heads reading the same base
+        layers. The prompt must fit the context as it is."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).flatten().tolist()
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise ContextError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_context}")
+        layers = None
+        if heads is not None:
+            if heads not in self.runners:
+                raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(self.runners) or 'none'})")
+            layers = self.runners[heads].feature_layers
+        out = run_prefill(self.decode_model, ids, decoding_cache(self.decode_model), self.device, layers)
+        synchronize(self.device)
+        return out
 
     def run(self, *args, **kw) -> GenerationResult:
         g = self.generate(*args, **kw)
@@ -166,7 +232,7 @@ class Generation:
     """One request: owns its KV cache and state; iterate it to get `Step` records."""
 
     def __init__(self, engine: Engine, input_ids, runner: Optional[HeadRunner], scheduler: Optional[Scheduler],
-                 config: DecodeConfig, rule: Optional[AcceptanceRule]):
+                 config: DecodeConfig, rule: Optional[AcceptanceRule], prefill: Optional[Prefill] = None):
         self.engine, self.runner, self.config = engine, runner, config
         self.scheduler = scheduler.fresh() if scheduler is not None else None
         if self.scheduler is not None and runner is not None:
@@ -188,6 +254,12 @@ class Generation:
         self.notices: list[str] = []
         ids = self._fit_prompt(ids)
         self.prompt = ids
+        if prefill is not None:
+            if prefill.prompt != ids:
+                raise ValueError("the prefill given is of another prompt")
+            if not prefill.fits(runner):
+                raise ValueError(f"the prefill given has no features for these heads (base layers {tuple(runner.feature_layers)})")
+        self._from_prefill = prefill
         self.tokens: list[int] = []
         self.ngrams = None
         if config.lookup:
@@ -219,18 +291,18 @@ class Generation:
     def _prefill(self) -> None:
         t0 = time.perf_counter()
         self._t_start = t0
-        m = self.engine.decode_model
-        self.cache = decoding_cache(m)
-        ids = torch.tensor([self.prompt], device=self.device)
-        need_hidden = self.runner is not None
-        layers = self.runner.feature_layers if need_hidden else ()
-        logits, hidden = forward(m, ids, self.cache, hidden=need_hidden, layers=layers, logits_to_keep=1)
-        last = logits[-1]
+        p = self._from_prefill
+        if p is None:
+            m = self.engine.decode_model
+            p = run_prefill(m, self.prompt, decoding_cache(m), self.device,
+                            self.runner.feature_layers if self.runner is not None else None)
+        p.start(self)
+        self.cache = p.cache
         self.past = len(self.prompt)
-        self.root = self.rule.first_token(last, self.rng)
-        self.root_logits = last
+        self.root = self.rule.first_token(p.logits, self.rng)
+        self.root_logits = p.logits
         if self.runner is not None:
-            self.prefix_state, self.feature = self.runner.start(hidden, ids[0])
+            self.prefix_state, self.feature = self.runner.start(p.hidden, torch.tensor(self.prompt, device=self.device))
         synchronize(self.device)
         self.time_prefill = time.perf_counter() - t0
         self._started = True
@@ -304,6 +376,8 @@ class Generation:
 
     def _step(self) -> Step:
         cfg, dev, m = self.config, self.device, self.engine.decode_model
+        if self._from_prefill is not None and self._from_prefill.owner is not self:
+            raise RuntimeError("another generation started from this generation's prefill and took its cache")
         t0 = time.perf_counter()
         remaining = cfg.max_new_tokens - len(self.tokens)
         room = self.engine.max_context - self.past

@@ -154,6 +154,12 @@ MUTANTS = (
            "        out[h] = best_speedup(t) * own / ratio if ratio == ratio and ratio > 0 else best_speedup(t)",
            "        out[h] = best_speedup(t)",
            ("tests/test_tuning.py::test_heads_measured_apart_are_compared_by_their_trees_timed_side_by_side",)),
+    Mutant("prefill_not_cropped", "a generation started from a kept prefill decodes after the previous "
+           "generation's positions", "entmtp/decoding.py", "            self.cache.crop(-extra)", "            pass",
+           ("tests/test_decoding.py::test_generations_from_one_prefill_decode_as_from_their_own",)),
+    Mutant("latency_prefills_each_generation", "the tuner prefills the measuring context for every generation "
+           "(~2 s each after 1,536 tokens)", "entmtp/calibrate.py", "    pre = context_prefill(engine, ctx, heads)\n",
+           "    pre = None\n", ("tests/test_search.py::test_latency_steps_are_warm_and_contexts_bounded",)),
 )
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import FAMILIES, random_heads, tiny_model
 from peaked import attention_entropy, peaked_model
 from entmtp.acceptance import Sampling, TypicalRule
-from entmtp.decoding import ROOT_ONLY, ContextError, DecodeConfig, Engine
+from entmtp.decoding import ROOT_ONLY, ContextError, DecodeConfig, Engine, Prefill
 from entmtp.heads import Draft, HeadRunner
 from entmtp.scheduler import Decision as _Decision
 from entmtp.trees import Tree, resolve_tree
@@ -266,6 +266,66 @@ def test_concurrent_generations_do_not_mix():
     for t in threads:
         t.join()
     assert results == refs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("heads", [None, "hydra++", "eagle-layers"])
+def test_generations_from_one_prefill_decode_as_from_their_own(family, heads):
+    """Generations started one after another from one `Engine.prefill` emit what generations
+    with their own prefill emit, step for step (the cache cropped back to the prompt each time,
+    the heads started from the kept features): after trees that grew the cache by several
+    positions and a generation stopped half-way."""
+    eng = engine_for(family)
+    prompt = [3, 7, 4, 9, 2, 11, 5]
+    pre = eng.prefill(prompt, heads=heads)
+    assert pre.rewindable and pre.cache.get_seq_length() == len(prompt)
+    runs = [("binary_2x2", 20), ("chain_4", 9), ("binary_2x2", 20), ("chain_4", 3)] if heads else [(None, 20), (None, 5)]
+    half = eng.generate(prompt, heads=heads, tree=resolve_tree(runs[0][0]) if heads else None,
+                        config=DecodeConfig(max_new_tokens=30, eos_token_ids=()), prefill=pre)
+    next(half), next(half)  # a generation left half-way
+    for tree, n in runs:
+        kw = dict(heads=heads, tree=resolve_tree(tree) if tree else None, config=DecodeConfig(max_new_tokens=n, eos_token_ids=()))
+        own = eng.run(prompt, **kw)
+        shared = eng.run(prompt, prefill=pre, **kw)
+        assert shared.tokens == own.tokens and len(shared.tokens) == n
+        assert [(s.tokens, s.accepted) for s in shared.steps] == [(s.tokens, s.accepted) for s in own.steps]
+
+
+def test_a_prefill_serves_one_generation_at_a_time_and_its_own_prompt():
+    eng = engine_for("llama")
+    prompt = [3, 7, 4, 9, 2]
+    pre = eng.prefill(prompt, heads="hydra")
+    cfg = DecodeConfig(max_new_tokens=10, eos_token_ids=())
+    first = eng.generate(prompt, heads="hydra", tree=resolve_tree("binary_2x2"), config=cfg, prefill=pre)
+    next(first)
+    second = eng.generate(prompt, config=cfg, prefill=pre)  # plain decoding may share it
+    next(second)
+    with pytest.raises(RuntimeError, match="took its cache"):
+        next(first)
+    with pytest.raises(ValueError, match="another prompt"):
+        eng.generate(prompt[:-1], config=cfg, prefill=pre)
+    with pytest.raises(ValueError, match="no features for these heads"):
+        eng.generate(prompt, heads="eagle-layers", tree=resolve_tree("chain_4"), config=cfg, prefill=pre)
+    with pytest.raises(ValueError, match="no features"):
+        eng.generate(prompt, heads="hydra", tree=resolve_tree("chain_4"), config=cfg, prefill=eng.prefill(prompt))
+    with pytest.raises(ContextError):
+        eng.prefill(list(range(2, 20)) * 200)
+
+
+def test_a_prefill_whose_cache_cannot_be_cropped_back_says_so():
+    """Sliding-window layers drop early positions: such a prefill starts one generation, then
+    refuses to be cropped (`calibrate.context_prefill` then prefills each generation)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    eng = engine_for("llama")
+    prompt = [3, 7, 4, 9, 2]
+    pre = eng.prefill(prompt)
+    pre.cache.layers[0] = DynamicSlidingWindowLayer(sliding_window=4)
+    assert not pre.rewindable
+    pre.cache.get_seq_length = lambda layer_idx=0: len(prompt) + 3  # as after a generation
+    with pytest.raises(ValueError, match="cannot be cropped back"):
+        pre.start(object())
+    assert isinstance(pre, Prefill)
 
 
 def test_typical_rule_runs_and_is_deterministic_at_greedy_bonus():

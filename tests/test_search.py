@@ -442,9 +442,11 @@ def test_latency_model_covers():
 
 
 def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
-    """Every timed step follows an untimed step of the same tree, and a generation adds at most
-    LATENCY_WINDOW tokens before the next prefill."""
+    """Every timed step follows an untimed step of the same tree, a generation adds at most
+    LATENCY_WINDOW tokens before the next starts from the context again, and the context is
+    prefilled once for all of them."""
     import entmtp.calibrate as cal
+    import entmtp.decoding as dec
 
     eng = engine3()
     monkeypatch.setattr(cal, "LATENCY_WINDOW", 16)
@@ -455,10 +457,20 @@ def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
         gens.append((len(ids), kw.get("scheduler"), g))
         return g
 
+    prefills, real_prefill = [], dec.run_prefill
+
+    def counted(*a, **kw):
+        prefills.append(a[1])
+        return real_prefill(*a, **kw)
+
     monkeypatch.setattr(eng, "generate", spy)
+    monkeypatch.setattr(dec, "run_prefill", counted)
     lm = cal.measure_latency(eng, "hydra", sizes=[1, 2, 3, 4], repeats=2, context_tokens=8)
     with_heads = [(n, s, g) for n, s, g in gens if s is not None]
-    assert len(with_heads) > 1  # the window forced several prefills
+    assert len(with_heads) > 1  # the window forced several generations
+    # ... all started from one prefill of the context, plain ones included: the prompt's forward once
+    assert len(prefills) == 1 and len(gens) > len(with_heads)
+    assert all(g._from_prefill is gens[0][2]._from_prefill is not None for _, _, g in gens)
     bank = with_heads[0][1].bank
     timed = 0
     for _, sched, g in with_heads:
@@ -484,7 +496,7 @@ def test_latency_is_measured_against_plain_steps_around_each_generation(monkeypa
     def true_ratio(tree):
         return 1.0 + 0.05 * tree.n_nodes + 0.1 * tree.depth
 
-    def drifting(engine, heads, bank, sequence, ids, progress):
+    def drifting(engine, heads, bank, sequence, ids, progress, prefill=None):
         speed = 1.0 + 0.1 * len(calls)  # seconds scale of this generation
         calls.append(heads)
         out = {}
