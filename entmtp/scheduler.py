@@ -136,6 +136,90 @@ class ContextSwitch(Scheduler):
         self.long.update(accepted_length)
 
 
+PAUSED = Tree.from_paths([], "root_only")  # a plain step: the root alone
+
+
+class PayoffGuard(Scheduler):
+    """Pauses drafting in a generation where it does not pay, and probes now and then.
+
+    Acceptance depends on the request: the embedded heads draft from an 8,192-token vocabulary of
+    mostly English answers, so on a translation into another script nearly every draft fails
+    while each tree step still costs its extra rows and drafting (the bench's translation prompt
+    decoded at 0.86x the plain loop). A tree pays where its steps emit more tokens than its step
+    time over a plain step's (`step_ratio(tree, past)`, from the latency model measured on this
+    machine). While the last `window` tree steps emitted fewer, the next `pause` steps are plain
+    (the heads still follow the accepted tokens; prompt lookup still grafts); then `probe` steps
+    of the wrapped policy measure again: drafting resumes where they paid, else the pause doubles
+    up to `longest_pause`. The wrapped policy chooses every tree it drafts."""
+
+    def __init__(self, inner: Scheduler, step_ratio, *, window: int = 8, probe: int = 4, pause: int = 8,
+                 longest_pause: int = 64):
+        if not 1 <= probe <= window or pause < 1 or longest_pause < pause:
+            raise ValueError("a payoff guard needs 1 <= probe <= window, 1 <= pause <= longest_pause")
+        self.inner, self.step_ratio = inner, step_ratio
+        self.window, self.probe, self.first_pause, self.longest_pause = window, probe, pause, longest_pause
+        self.name, self.needs_context, self.tree = inner.name, inner.needs_context, inner.tree
+        self.recent: list[tuple[int, float]] = []  # (tokens emitted, break-even tokens) of the latest tree steps
+        self.paused_left = 0  # plain steps still to take
+        self.pause = pause  # the next pause's length
+        self.probing = 0  # tree steps of the current probe still to take
+        self._drafted: Optional[float] = None  # the break-even of the tree chosen this step (None: a plain step)
+
+    # signals the wrapped policy reads are not computed for a plain step
+    @property
+    def needs_root(self) -> bool:
+        return self.inner.needs_root and not self.paused_left
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.inner.needs_draft and not self.paused_left
+
+    @property
+    def trees(self) -> list[Tree]:
+        return self.inner.trees
+
+    def fresh(self) -> "PayoffGuard":
+        return PayoffGuard(self.inner.fresh(), self.step_ratio, window=self.window, probe=self.probe,
+                           pause=self.first_pause, longest_pause=self.longest_pause)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}; drafting paused while it does not pay"
+
+    def choose(self, s: StepSignals) -> Decision:
+        if self.paused_left:
+            self.paused_left -= 1
+            self._drafted = None
+            return Decision(PAUSED, {"payoff": f"drafting paused: plain steps, {self.paused_left} more before a probe"})
+        d = self.inner.choose(s)
+        self._drafted = self.step_ratio(d.tree, s.past) if d.tree.n_nodes else None
+        if self._drafted is not None:
+            tag = f"probe, {self.probing} steps left" if self.probing else "drafting pays"
+            d.reason = {**d.reason, "payoff": f"{tag} (break-even {self._drafted:.2f} tokens a step)"}
+        return d
+
+    def update(self, accepted_length: int) -> None:
+        self.inner.update(accepted_length)
+        if self._drafted is None:
+            return
+        self.recent = (self.recent + [(accepted_length + 1, self._drafted)])[-self.window:]
+        if self.probing:
+            self.probing -= 1
+            if self.probing:
+                return
+            judged = self.recent[-self.probe:]
+        elif len(self.recent) < self.window:
+            return
+        else:
+            judged = self.recent
+        emitted = sum(t for t, _ in judged) / len(judged)
+        needed = sum(r for _, r in judged) / len(judged)
+        if emitted >= needed:
+            self.pause = self.first_pause  # paid: the next pause, if any, starts short again
+            return
+        self.paused_left, self.probing, self.recent = self.pause, self.probe, []
+        self.pause = min(2 * self.pause, self.longest_pause)
+
+
 def _signal(s: StepSignals, name: str) -> float:
     if name == "root_confidence":  # 1 - normalised root entropy proxy: the base's top-1 prob
         return s.root_prob
