@@ -112,13 +112,6 @@ class TunedTrees:
     lookup_speedups: dict = field(default_factory=dict)
     long: Optional[LongContextTrees] = None  # None: the same tree pays at every context measured
 
-    def step_ratio(self, tree: Tree, past: int) -> float:
-        """A step with `tree` over a plain step after `past` cached tokens, by the latency model
-        measured here (the long-context one from its switch on): the tokens a step of it must emit
-        to pay (`scheduler.PayoffGuard`)."""
-        lat = self.latency if self.long is None or past < self.long.from_tokens else self.long.latency
-        return lat.cost(tree.n_nodes, tree.depth) / lat.baseline_s
-
     def to_json(self) -> dict:
         return {"format": TREES_FORMAT, "heads": self.heads, "tree": [list(p) for p in self.tree.paths],
                 "tree_name": self.tree.name, "predicted_tau": self.predicted_tau,

@@ -42,8 +42,6 @@ class Method:
     with heads ("static", "entropy", "dynamic"). lookup: (chain length, shortest grafted n-gram)
     of the prompt-lookup branch when no flag or checkpoint says otherwise (0: none).
     ours: decoded by entmtp's engine; False for transformers' `generate`.
-    guarded: its tuned policy pauses drafting in a generation where drafting does not pay
-    (`scheduler.PayoffGuard`, with the step times measured on this machine).
     """
 
     name: str
@@ -53,7 +51,6 @@ class Method:
     lookup: tuple[int, int] = (0, 1)
     ours: bool = True
     about: str = ""
-    guarded: bool = False
 
 
 # Prompt lookup: entmtp grafts copied context spans onto its trees; "lookup" is our prompt-lookup
@@ -69,9 +66,8 @@ _ALL = (
     Method("medusa", "Medusa", "medusa", "static", about="Medusa heads, their best static tree"),
     Method("hydra", "Hydra", "hydra", "static", about="Hydra heads, their best static tree"),
     Method("hydra++", "Hydra++", "hydra++", "static", about="Hydra++ heads, their best static tree"),
-    Method("entmtp", "entmtp", FAMILY, "entropy", lookup=(LOOKUP_LENGTH, 1), guarded=True,
-           about="best Hydra-family heads + entropy-aware tree scheduler + a prompt-lookup branch; "
-                 "drafting paused where it does not pay"),
+    Method("entmtp", "entmtp", FAMILY, "entropy", lookup=(LOOKUP_LENGTH, 1),
+           about="best Hydra-family heads + entropy-aware tree scheduler + a prompt-lookup branch"),
     Method("dynamic", "dynamic trees", FAMILY, "dynamic", about="best Hydra-family heads + EAGLE-2 style dynamic trees"),
 )
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
@@ -205,7 +201,7 @@ def build_scheduler(engine, heads: str, method: str = "hydra", *, tree: Optional
     default: tuned on this machine, else the bank the heads record)."""
     t = resolve_tree(tree) if tree else default_tree(engine, heads, progress)
     name = scheduler or get_method(method).scheduler or "static"
-    long = tuned = None
+    long = None
     if tree is None and bank is None and name in ("static", "entropy", "dynamic"):
         tuned = tuned_trees(engine, heads, progress=progress)
         long = tuned.long if tuned is not None else None
@@ -214,15 +210,9 @@ def build_scheduler(engine, heads: str, method: str = "hydra", *, tree: Optional
     else:
         policy = sched.make_scheduler(name, engine=engine, heads=heads, tree=t,
                                       bank=tuned_bank(engine, heads) if bank is None and name == "entropy" else bank)
-    if long is not None:
-        policy = _long_context_switch(engine, heads, name, policy, long)
-    if tuned is not None and get_method(method).guarded:  # a tuned policy: its step times are known
-        policy = sched.PayoffGuard(policy, tuned.step_ratio)
-    return policy
-
-
-def _long_context_switch(engine, heads: str, name: str, policy: sched.Scheduler, long) -> sched.ContextSwitch:
-    """`policy` until the tuned switch, then the tree (bank, dynamic budget) tuned for long contexts."""
+    if long is None:
+        return policy
+    # from the tuned switch on, the tree (bank, dynamic budget) tuned for long contexts
     lt = long.tree.truncated(engine.runners[heads].config.num_heads)
     if name == "static":
         other = sched.Scheduler(lt)
@@ -334,14 +324,11 @@ class Runner:
         s = self.scheduler
         if s is None:
             return self.method.label
-        guarded = isinstance(s, sched.PayoffGuard)
-        if guarded:
-            s = s.inner
+
         what = sched.policy_label(s)
         if isinstance(s, sched.ContextSwitch):
             what = f"{sched.policy_label(s.short)}, from {s.from_tokens} cached tokens {sched.policy_label(s.long)}"
         extra = " + prompt lookup" if self.config is not None and self.config.lookup and self.method.name != "lookup" else ""
-        extra += ", paused where drafting does not pay" if guarded else ""
         return f"{self.method.label} · {what}{extra}"
 
     def __call__(self, ids: list[int]) -> Output:

@@ -160,13 +160,6 @@ MUTANTS = (
     Mutant("latency_prefills_each_generation", "the tuner prefills the measuring context for every generation "
            "(~2 s each after 1,536 tokens)", "entmtp/calibrate.py", "    pre = context_prefill(engine, ctx, heads)\n",
            "    pre = None\n", ("tests/test_search.py::test_latency_steps_are_warm_and_contexts_bounded",)),
-    Mutant("payoff_guard_never_pauses", "entmtp drafts on through a request where its drafts do not pay",
-           "entmtp/scheduler.py", "        self.paused_left, self.probing, self.recent = self.pause, self.probe, []",
-           "        return", ("tests/test_scheduler.py::test_payoff_guard_pauses_drafting_that_does_not_pay_and_probes_with_growing_pauses",
-                             "tests/test_scheduler.py::test_payoff_guard_in_decoding_steps_plain_while_drafts_fail")),
-    Mutant("payoff_guard_probes_forever", "a probe that does not pay leaves the pause as short as the first",
-           "entmtp/scheduler.py", "        self.pause = min(2 * self.pause, self.longest_pause)", "        pass",
-           ("tests/test_scheduler.py::test_payoff_guard_pauses_drafting_that_does_not_pay_and_probes_with_growing_pauses",)),
 )
 
 

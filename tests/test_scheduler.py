@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import random_heads, tiny_model
 from entmtp.decoding import DecodeConfig, Engine
-from entmtp.scheduler import (PAUSED, ContextSwitch, DynamicScheduler, EntropyBucketScheduler, HysteresisScheduler,
-                              LadderScheduler, PayoffGuard, Scheduler, StepSignals, load_bank, make_scheduler)
+from entmtp.scheduler import (ContextSwitch, DynamicScheduler, EntropyBucketScheduler, HysteresisScheduler,
+                              LadderScheduler, Scheduler, StepSignals, load_bank, make_scheduler)
 from entmtp.trees import Tree, TreeError, resolve_tree
 
 VOCAB = 20
@@ -82,8 +82,6 @@ POLICIES = {
                                                 [["a", "b"], ["b", "a"]], draft_edges=[2.0]),
     "dynamic": lambda: DynamicScheduler(budget=12, depth=4, topk=4, beam=4),
     "by_context": lambda: ContextSwitch(Scheduler(resolve_tree("mc_sim_7b_63").truncated(4)), bank(), 9),
-    # random heads rarely pay a break-even this high: plain steps and probes alternate
-    "guarded": lambda: PayoffGuard(bank(), lambda tree, past: 1.0 + 0.1 * tree.n_nodes, window=3, probe=2, pause=2),
 }
 
 
@@ -98,65 +96,6 @@ def test_every_policy_is_lossless(engine, policy, prompt, n, heads):
     for s in r.steps:
         if s.time_verify:
             assert s.scheduler["scheduler"] in ("static", "ladder", "hysteresis", "entropy", "dynamic")
-
-
-def test_payoff_guard_pauses_drafting_that_does_not_pay_and_probes_with_growing_pauses():
-    """While the last `window` tree steps emitted fewer tokens than their break-even (a tree step's
-    time over a plain step's), plain steps for `pause` steps, computing none of the wrapped policy's
-    signals; then `probe` tree steps decide again: paid, drafting resumes and the pause resets;
-    not, the pause doubles up to `longest_pause`. Plain steps' accepted lengths (prompt lookup)
-    never count as drafting's."""
-    inner = bank()
-    mid, big = "binary_2x2", "mc_sim_7b_63"  # the bank's trees for root entropies of 0.5-1.5 and below 0.5
-    ratio = {big: 1.8, mid: 1.4, "chain_2": 1.2}
-    g = PayoffGuard(inner, lambda tree, past: ratio[tree.name], window=4, probe=2, pause=3, longest_pause=6).fresh()
-    assert g.needs_root and g.trees == inner.trees and g.describe().endswith("drafting paused while it does not pay")
-
-    def step(entropy, accepted):
-        d = g.choose(StepSignals(0, root_entropy=entropy))
-        g.update(accepted)
-        return d
-
-    high = 1.0  # the root entropy of the mid bucket: break-even 1.4 tokens
-    assert all(step(high, 1).tree.name == mid for _ in range(10))  # 2 tokens a step: pays
-    # one token a step: the window's mean falls to (2 + 1 + 1 + 1) / 4 = 1.25 < 1.4 at the third
-    assert [step(high, 0).tree.name for _ in range(3)] == [mid] * 3
-    assert g.paused_left == 3 and not g.needs_root
-    for left in (2, 1, 0):
-        d = step(high, 3)  # what lookup grafts in a plain step is not drafting's
-        assert d.tree is PAUSED and d.reason["payoff"].endswith(f"{left} more before a probe")
-    assert g.needs_root
-    d = step(high, 0)
-    assert d.tree.name == mid and d.reason["payoff"].startswith("probe")
-    step(high, 0)  # the probe did not pay: a pause twice as long
-    assert [step(high, 0).tree for _ in range(6)] == [PAUSED] * 6
-    step(high, 0), step(high, 0)
-    assert g.paused_left == 6  # the longest pause
-    for _ in range(6):
-        step(high, 0)
-    step(high, 2), step(high, 1)  # a probe that pays (2.5 tokens a step): drafting resumes, the pause resets
-    assert g.paused_left == 0 and g.pause == 3
-    # a window of several trees is judged against the mean of their break-evens
-    assert [step(0.2, 1).tree.name for _ in range(3)] == [big] * 3  # 2 tokens a step against 1.4-1.8
-    assert step(0.2, 0).tree.name == big and g.paused_left == 3  # (2 + 2 + 2 + 1) / 4 = 1.75 < 1.8
-    assert g.fresh().paused_left == 0  # each generation starts drafting
-    with pytest.raises(ValueError):
-        PayoffGuard(inner, lambda t, p: 1.0, window=2, probe=3)
-
-
-def test_payoff_guard_in_decoding_steps_plain_while_drafts_fail(engine):
-    """Heads whose drafts never match: after the window, the guarded generation takes plain steps
-    (no draft, no signals) between probes, each step saying why, and emits the plain loop's tokens."""
-    prompt, n = [3, 4, 5, 6], 40
-    never = PayoffGuard(Scheduler(resolve_tree("binary_2x2")), lambda tree, past: 50.0, window=3, probe=1, pause=4)
-    r = engine.run(prompt, heads="hydra", scheduler=never, config=DecodeConfig(max_new_tokens=n, eos_token_ids=()))
-    assert r.tokens == hf_greedy(engine.model, prompt, n)
-    steps = [s for s in r.steps if s.time_verify]
-    kinds = ["plain" if s.n_nodes == 0 else "tree" for s in steps]
-    assert kinds[:3] == ["tree"] * 3 and kinds[3:7] == ["plain"] * 4 and kinds[7] == "tree"  # a probe
-    assert kinds.count("plain") > kinds.count("tree")
-    plain = [s for s in steps if s.n_nodes == 0]
-    assert all(s.scheduler["payoff"].startswith("drafting paused") and "signals" not in s.scheduler for s in plain)
 
 
 def test_decisions_are_recorded_with_signals(engine):

@@ -375,7 +375,7 @@ def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
     beats the static tree, the earlier tune's bank must not go on deciding steps."""
     from entmtp.calibrate import LatencyModel
     from entmtp.methods import build_scheduler
-    from entmtp.scheduler import EntropyBucketScheduler, PayoffGuard
+    from entmtp.scheduler import EntropyBucketScheduler
     from entmtp.trees import Tree
 
     model = tiny_model("llama", vocab=96, seed=3)
@@ -391,17 +391,14 @@ def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
 
     cache(EntropyBucketScheduler({"small": small, "big": big}, [1.0], ["big", "small"]))
     first = build_scheduler(eng, "hydra", "entmtp", progress=None)
-    assert sorted(t.name for t in first.trees) == ["big", "small"] and first.inner.edges == [1.0]
-    assert first.step_ratio(big, 0) == pytest.approx(latency.cost(4, 3) / 0.01)  # the guard's break-even, measured here
+    assert sorted(t.name for t in first.trees) == ["big", "small"] and first.edges == [1.0]
     cache(EntropyBucketScheduler({"big": big}, [], ["big"], meta={"fit": "static: no held-out gain"}))  # the re-tune
     again = build_scheduler(eng, "hydra", "entmtp", progress=None)
-    assert [t.name for t in again.trees] == ["big"] and again.inner.edges == []
-    assert not isinstance(build_scheduler(eng, "hydra", "hydra", progress=None), PayoffGuard)  # the papers' methods as they are
+    assert [t.name for t in again.trees] == ["big"] and again.edges == []
     assert autotune.tuned_bank(eng, "hydra").table == ["big"]
     from entmtp.methods import make_runner
 
-    label = make_runner(eng, "entmtp", 8, progress=None).label
-    assert "big (entropy scheduler, one bucket)" in label and label.endswith("paused where drafting does not pay")
+    assert "big (entropy scheduler, one bucket)" in make_runner(eng, "entmtp", 8, progress=None).label
 
 
 def test_tuned_trees_are_measured_again_when_the_step_code_changes(tuning_on, tmp_path, monkeypatch):
