@@ -370,6 +370,20 @@ def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
     assert [list(t.y) for t in alone.data] == [pytest.approx([16.5, 18.0])] and "relative" not in alone.data[0].name
 
 
+def test_a_near_tie_goes_to_the_smaller_tree():
+    """Among trees predicted within NEAR_TIE of the best tokens/s the fewest nodes (then levels)
+    win: rows priced in a slow second of a VM look cheaper than they decode; beyond it, the best."""
+    from types import SimpleNamespace as C
+
+    n8 = C(n_nodes=8, depth=2, predicted_tokens_per_s=100.0)
+    n4 = C(n_nodes=4, depth=1, predicted_tokens_per_s=99.9)  # Medusa's case: 0.1% below
+    n4d2 = C(n_nodes=4, depth=2, predicted_tokens_per_s=99.95)
+    n2 = C(n_nodes=2, depth=1, predicted_tokens_per_s=100.0 * (1 - autotune.NEAR_TIE) - 0.01)  # just beyond
+    assert autotune.choose_tree([n8, n4d2, n4, n2]) is n4
+    assert autotune.choose_tree([n8, n2]) is n8
+    assert autotune.choose_tree([n4]) is n4
+
+
 def test_the_entropy_scheduler_follows_a_re_tune_that_drops_the_bank(tuning_on):
     """entmtp's entropy scheduler takes the bank the tune chose; after a re-tune that finds no bank
     beats the static tree, the earlier tune's bank must not go on deciding steps."""
