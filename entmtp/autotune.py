@@ -149,8 +149,10 @@ def shipped_stats(runner) -> Optional[CalibrationStats]:
 
 
 # the engine code a step's time depends on besides the kernel library (whose version names the
-# machine directory): fused modules, drafting, the loop's bookkeeping, the cache
-STEP_SOURCES = ("kernels.py", "heads.py", "decoding.py", "verify.py", "kvcache.py", "attention.py", "lookup.py")
+# machine directory): fused modules, drafting, the loop's bookkeeping, the cache; and this tuner,
+# whose rules turn the timings into trees (a changed rule chooses again)
+STEP_SOURCES = ("kernels.py", "heads.py", "decoding.py", "verify.py", "kvcache.py", "attention.py", "lookup.py",
+                "autotune.py")
 
 
 @functools.lru_cache(maxsize=None)
