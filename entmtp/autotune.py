@@ -208,9 +208,8 @@ def choose_tree(cands):
     nodes (then levels) wins. The latency model prices a tree's extra rows against plain steps timed
     around it, and where the one-row step switches between two speeds for seconds at a time while
     multi-row steps hold theirs (a 2-core EPYC VM: 10.3 and 12.3 ms), a few seconds of timing can
-    price rows several percent too cheap: there Medusa's 8-node tree, predicted 0.1% above a 4-node
-    one at 1.31x plain decoding, decoded at 1.00x. A smaller tree loses at most NEAR_TIE where the
-    model is right."""
+    price rows several percent too cheap: there Medusa's 8-node tree, predicted at 1.31x plain
+    decoding, decoded at 1.00x. A smaller tree loses at most NEAR_TIE where the model is right."""
     top = max(c.predicted_tokens_per_s for c in cands)
     near = [c for c in cands if c.predicted_tokens_per_s >= (1 - NEAR_TIE) * top]
     return min(near, key=lambda c: (c.n_nodes, c.depth, -c.predicted_tokens_per_s))
