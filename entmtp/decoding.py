@@ -184,17 +184,21 @@ class Engine:
             break
         return tuple(int(i) for i in ids)
 
+    def runner(self, heads: Optional[str]) -> Optional[HeadRunner]:
+        """The loaded heads named `heads` (None: none, plain decoding); ValueError for a name not loaded."""
+        if heads is None:
+            return None
+        if heads not in self.runners:
+            raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(self.runners) or 'none'})")
+        return self.runners[heads]
+
     def generate(self, input_ids: Sequence[int] | torch.Tensor, *, heads: Optional[str] = None,
                  tree: Optional[Tree] = None, scheduler: Optional[Scheduler] = None,
                  config: Optional[DecodeConfig] = None, rule: Optional[AcceptanceRule] = None,
                  prefill: Optional[Prefill] = None) -> "Generation":
         """Start one generation. heads=None means baseline (root-only tree, no drafting).
         prefill: this prompt's `Engine.prefill`, started from instead of computing the prompt again."""
-        runner = None
-        if heads is not None:
-            if heads not in self.runners:
-                raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(self.runners) or 'none'})")
-            runner = self.runners[heads]
+        runner = self.runner(heads)
         sched = as_scheduler(scheduler if scheduler is not None else tree)
         if runner is None:
             sched = None
@@ -212,11 +216,8 @@ class Engine:
             raise ValueError("empty prompt")
         if len(ids) >= self.max_context:
             raise ContextError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_context}")
-        layers = None
-        if heads is not None:
-            if heads not in self.runners:
-                raise ValueError(f"no heads named {heads!r} loaded (have: {', '.join(self.runners) or 'none'})")
-            layers = self.runners[heads].feature_layers
+        runner = self.runner(heads)
+        layers = runner.feature_layers if runner is not None else None
         out = run_prefill(self.decode_model, ids, decoding_cache(self.decode_model), self.device, layers)
         synchronize(self.device)
         return out
