@@ -26,12 +26,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from .bank import compare_on, fit_entropy_bank
-from .calibrate import LATENCY_PROTOCOL, CalibrationStats, LatencyModel, measure_latency, measure_step_ratios
+from .calibrate import LATENCY_PROTOCOL, CalibrationStats, ContextPrefills, LatencyModel, measure_latency, measure_step_ratios
 from .lookup import chain_outcomes
 from .paths import write_json_atomic
 from .scheduler import EntropyBucketScheduler
@@ -216,10 +216,12 @@ def choose_tree(cands):
 
 
 def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,
-               progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
+               progress: Optional[Callable[[str], object]] = None,
+               prefills: Optional[ContextPrefills] = None) -> Optional[TunedTrees]:
     """Measure step latency here for trees of each size and depth, then choose the static tree of
     highest predicted tokens/s and fit the entropy bank, from `stats` (default: shipped with the
-    heads). None when there are no statistics."""
+    heads). None when there are no statistics. prefills: the measuring contexts' prefills, shared
+    with other heads' tunes (`tune_all`)."""
     runner = engine.runners[heads]
     stats = stats if stats is not None else shipped_stats(runner)
     if stats is None or not stats.records:
@@ -229,7 +231,7 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if progress:
         progress(f"tuning: step latency of {heads} trees on this machine")
     latency = measure_latency(engine, heads, max_nodes=max(sizes), sizes=sizes, depths=range(1, K + 1),
-                              repeats=repeats, context_tokens=SHORT_CONTEXT)
+                              repeats=repeats, context_tokens=SHORT_CONTEXT, prefills=prefills)
     cands = search_trees(stats, [max(sizes)], latency, depths=range(1, K + 1))
     best = choose_tree(cands)
     tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}")
@@ -256,14 +258,14 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if context >= 4 * SHORT_CONTEXT and tree.n_nodes > 1:
         if progress:
             progress(f"tuning: step latency of {heads} trees after {context} cached tokens")
-        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats)
+        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats, prefills=prefills)
         if out.long is None:  # a long-context tree is shown on its own line (`long_context_words`)
             out.why += f"; {note}"
     return out
 
 
 def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedTrees, context: int,
-                      repeats: int = 2) -> tuple[Optional[LongContextTrees], str]:
+                      repeats: int = 2, prefills: Optional[ContextPrefills] = None) -> tuple[Optional[LongContextTrees], str]:
     """Time trees no larger nor deeper than the short-context one after `context` cached tokens
     (rows only get dearer as the context grows, so no larger tree can pay there) and choose the
     best by the same scoring; (its `LongContextTrees`, why) where it beats the short-context tree
@@ -271,7 +273,7 @@ def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedT
     size, depth = short.tree.n_nodes, short.tree.depth
     sizes = [n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size]
     latency = measure_latency(engine, heads, max_nodes=size, sizes=sizes, depths=range(1, depth + 1),
-                              repeats=repeats, context_tokens=context)
+                              repeats=repeats, context_tokens=context, prefills=prefills)
     cands = search_trees(stats, [size], latency, depths=range(1, depth + 1))
     best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
     kept = latency.speedup(short.predicted_tau, size, depth)
@@ -376,10 +378,11 @@ def choose_bank(stats: CalibrationStats, trees: list[Tree], static: Tree, latenc
         return single, None, "entropy bank: too few records, so the static tree on every step"
 
 
-def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] = None) -> Optional[TunedTrees]:
+def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] = None,
+                prefills: Optional[ContextPrefills] = None) -> Optional[TunedTrees]:
     """The cached `tune_trees` result for (machine, engine, heads), measured when missing (and
     cached unless other processes used the cores meanwhile: `threads.busy_note`). None when
-    ENTMTP_TUNE=0 or the heads ship no statistics."""
+    ENTMTP_TUNE=0 or the heads ship no statistics. prefills: as `tune_trees`."""
     mode = os.environ.get("ENTMTP_TUNE", "1").strip().lower()
     if mode in ("0", "off", "false", "no") or heads not in engine.runners:
         return None
@@ -393,7 +396,7 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
         return engine.held_tunes[heads]
     load = CoreLoad()
     with torch.inference_mode(), torch_threads(decoding_threads(engine)):
-        out = tune_trees(engine, heads, progress=progress)
+        out = tune_trees(engine, heads, progress=progress, prefills=prefills)
     if out is None:
         return None
     busy = busy_note(load, "the step latency was")
@@ -407,6 +410,15 @@ def tuned_trees(engine, heads: str, progress: Optional[Callable[[str], object]] 
         out.why += f" (not cached: {e.strerror or e})"
         engine.held_tunes[heads] = out
     return out
+
+
+def tune_all(engine, heads: Iterable[str], progress: Optional[Callable[[str], object]] = None
+             ) -> dict[str, Optional[TunedTrees]]:
+    """`tuned_trees` of each of `heads`, in order, the measuring contexts prefilled once for all
+    (`calibrate.ContextPrefills`: kinds reading the same base layers share them; the long
+    context's prefill was ~2 s of each kind's ~9 s on a 2-core CPU). {heads: tuned or None}."""
+    prefills = ContextPrefills()
+    return {h: tuned_trees(engine, h, progress=progress, prefills=prefills) for h in heads}
 
 
 FAMILY_RACE_ROUNDS = 6  # rounds of `measure_step_ratios` that compare the tuned trees of several heads
@@ -472,7 +484,7 @@ def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
     return None if t is None else t.bank
 
 
-__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "tune_all", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
            "FAMILY_RACE_ROUNDS", "best_speedup", "compared_speedups"]
 
 
@@ -488,8 +500,9 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None, 
            "threads_governed": getattr(engine, "governor", None) is not None,
            "kernel_trials": [t.to_json() for t in prof.trials] if prof else [], "probe_s": prof.probe_s if prof else 0.0,
            "cache_file": prof.cache_file if prof else None, "heads": {}}
+    tuned_all = tune_all(engine, engine.runners, progress=progress)
     for name in engine.runners:
-        t = tuned_trees(engine, name, progress=progress)
+        t = tuned_all[name]
         if t is None:
             out["heads"][name] = None
             continue
@@ -505,7 +518,7 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None, 
                                   "predicted_speedup": round(t.long.predicted_speedup, 3),
                                   "short_tree_speedup": round(t.long.short_tree_speedup, 3)},
                               "why": t.why, "draft_lm": draft_lm_entry(engine.runners[name])}
-    tuned = {h: tuned_trees(engine, h) for h in family if h in engine.runners}
+    tuned = {h: tuned_all[h] for h in family if h in engine.runners}
     if len(tuned) >= 2 and all(t is not None for t in tuned.values()):
         speedups = compared_speedups(engine, tuned, progress=progress)
         out["family"] = {"heads": max(tuned, key=lambda h: speedups[h]),

@@ -30,7 +30,8 @@ import torch
 from .data import PromptSet, bundled_prompts, load_prompts, render_prompt
 from .hardware import hardware_class, synchronize
 from .interleave import rotated
-from .methods import HYDRA_FAMILY, METHODS, Runner, fit_stock_threads, make_runner, method_heads, method_lookup, parse_methods
+from .methods import (HYDRA_FAMILY, METHODS, Runner, fit_stock_threads, make_runner, method_heads, method_lookup, parse_methods,
+                      tune_loaded)
 from .models import describe_model
 from .scheduler import recorded_default
 from .stock_process import where_stock_ran
@@ -98,6 +99,8 @@ class Run:
 def make_runners(engine, cfg: BenchConfig, stock_process=None) -> dict[str, Runner]:
     """method -> its `methods.Runner` on `engine` (greedy, `cfg.max_new_tokens`); transformers'
     methods in `stock_process` (a `stock_process.StockProcess`) when given."""
+    if cfg.tree is None:  # every loaded kind tuned up front: their measuring contexts prefilled once
+        tune_loaded(engine)
     return {m: make_runner(engine, m, cfg.max_new_tokens, tree=cfg.tree, scheduler=cfg.scheduler if m == "entmtp" else None,
                            bank=cfg.bank, lookup=cfg.lookup, lookup_min_ngram=cfg.lookup_min_ngram, pld_tokens=cfg.pld_tokens,
                            stock_process=stock_process)

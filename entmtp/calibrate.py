@@ -1259,12 +1259,37 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
     return times
 
 
-def context_prefill(engine: Engine, ids: list[int], heads: Optional[str] = None) -> Optional[Prefill]:
+class ContextPrefills:
+    """The measuring contexts' prefills, shared by the measurements of several heads (a tune of
+    every loaded kind): the kinds are timed on the same random contexts, and after 1,536 cached
+    tokens a prefill costs ~2 s on a 2-core CPU, which each kind's measurement paid again. Keyed
+    by the context and the base layers the heads read; a prefill serves one generation at a time
+    (`Prefill.start`), which the measurements, run one after another, respect. Lives as long as
+    its holder (`autotune.tune_all`), not on the engine."""
+
+    def __init__(self):
+        self._by_key: dict[tuple, Prefill] = {}
+
+    def get(self, engine: Engine, ids: list[int], heads: Optional[str] = None) -> Optional[Prefill]:
+        runner = engine.runner(heads)
+        key = (tuple(ids), None if runner is None else tuple(runner.feature_layers))
+        p = self._by_key.get(key)
+        if p is None:
+            p = context_prefill(engine, ids, heads)
+            if p is not None:
+                self._by_key[key] = p
+        return p
+
+
+def context_prefill(engine: Engine, ids: list[int], heads: Optional[str] = None,
+                    shared: Optional[ContextPrefills] = None) -> Optional[Prefill]:
     """The measuring context's prefill, for every generation of a measurement to start from
     (plain steps and the steps of `heads` or of heads reading the same base layers): timing ~30
     steps after 1,536 cached tokens took ~2 s of prefill for each generation of ~0.3 s of steps.
-    None where the model's cache cannot be cropped back (sliding-window layers): each generation
-    then prefills the context itself."""
+    Taken from `shared` where given (computed there once). None where the model's cache cannot be
+    cropped back (sliding-window layers): each generation then prefills the context itself."""
+    if shared is not None:
+        return shared.get(engine, ids, heads)
     p = engine.prefill(ids, heads=heads)
     return p if p.rewindable else None
 
@@ -1277,7 +1302,8 @@ def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> 
 
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
-                    context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None) -> LatencyModel:
+                    context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None,
+                    prefills: Optional[ContextPrefills] = None) -> LatencyModel:
     """Measure one decoding step's time (draft + verify + bookkeeping) with the real engine and
     heads, for representative trees of every size in `sizes` (default `size_grid`) at every depth
     in `depths` (default 1..num_heads), plus a root-only (plain decoding) step: each tree as the
@@ -1285,7 +1311,8 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     times the fastest plain step. All trees run round-robin, on a context of `context_tokens` random
     tokens or the given `context_ids`, so drift in machine load hits every size alike; each
     timed step follows an untimed step of the same tree and each generation adds at most
-    `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays)."""
+    `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). prefills:
+    the context's prefill shared with other heads' measurements (`ContextPrefills`)."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:
@@ -1323,7 +1350,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     per_gen = _trees_per_generation(engine, bank, ctx)
     ratios: dict[int, list[float]] = {}
     base: list[float] = []
-    pre = context_prefill(engine, ctx, heads)
+    pre = context_prefill(engine, ctx, heads, prefills)
 
     def plain_step() -> float:
         ts = _cycle_times(engine, None, plain, [0] * 3, ctx, lambda k=1: None, pre).get(0, [])
@@ -1417,6 +1444,7 @@ def load_or_measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, 
 
 
 __all__ = ["RuleSpec", "StepRecord", "CalibrationStats", "LatencyModel", "collect_stats", "union_tree", "measure_step_ratios",
+           "ContextPrefills", "context_prefill",
            "union_tree_for", "measure_latency", "load_or_measure_latency", "latency_cache_path",
            "representative_tree", "expand_by_value", "prior_value", "encode_prompts", "typical_accepted_nodes",
            "machine_info", "size_grid"]

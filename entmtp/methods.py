@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import scheduler as sched
-from .autotune import LOOKUP_LENGTH, compared_speedups, tuned_bank, tuned_trees
+from .autotune import LOOKUP_LENGTH, compared_speedups, tune_all, tuned_bank, tuned_trees
 from .decoding import DecodeConfig, Engine, GenerationResult
 from .models import load_engine
 from .threads import default_threads, torch_threads
@@ -126,12 +126,9 @@ def fastest_family(engine: Engine) -> Optional[str]:
     loaded = [h for h in HYDRA_FAMILY if h in engine.runners]
     if len(loaded) < 2:
         return None
-    tuned = {}
-    for h in loaded:
-        t = tuned_trees(engine, h, progress=_stderr)
-        if t is None:
-            return None
-        tuned[h] = t
+    tuned = tune_all(engine, loaded, progress=_stderr)
+    if any(t is None for t in tuned.values()):
+        return None
     predicted = compared_speedups(engine, tuned, progress=_stderr)
     return max(loaded, key=lambda h: predicted[h])
 
@@ -177,6 +174,12 @@ def method_lookup(method: str, engine=None, heads: Optional[str] = None, *, look
 
 def _stderr(s: str) -> None:
     print(s, file=sys.stderr)
+
+
+def tune_loaded(engine: Engine, progress: Optional[Callable[[str], object]] = _stderr) -> None:
+    """Every loaded heads kind tuned here now, where several will decode (a bench, a race): one
+    `autotune.tune_all` prefills the measuring contexts once for all of them."""
+    tune_all(engine, engine.runners, progress=progress)
 
 
 def default_tree(engine, heads: str, progress: Optional[Callable[[str], object]] = _stderr) -> Tree:
@@ -393,4 +396,4 @@ def make_runner(engine, method: str, max_new_tokens: int = 128, *, tree: Optiona
 __all__ = ["FAMILY", "HYDRA_FAMILY", "CUSTOM", "MethodError", "Method", "METHODS", "OUR_METHODS",
            "DEFAULT_LOOKUP", "get_method", "parse_methods", "best_hydra", "method_heads", "fastest_family", "heads_to_load", "method_lookup",
            "default_tree", "build_scheduler", "ModelOptions", "load_engine_for", "Output", "ForwardCounter", "hf_generate",
-           "Runner", "fit_stock_threads", "make_runner"]
+           "Runner", "fit_stock_threads", "make_runner", "tune_loaded"]

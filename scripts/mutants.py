@@ -158,12 +158,15 @@ MUTANTS = (
            "generation's positions", "entmtp/decoding.py", "            self.cache.crop(-extra)", "            pass",
            ("tests/test_decoding.py::test_generations_from_one_prefill_decode_as_from_their_own",)),
     Mutant("latency_prefills_each_generation", "the tuner prefills the measuring context for every generation "
-           "(~2 s each after 1,536 tokens)", "entmtp/calibrate.py", "    pre = context_prefill(engine, ctx, heads)\n",
+           "(~2 s each after 1,536 tokens)", "entmtp/calibrate.py", "    pre = context_prefill(engine, ctx, heads, prefills)\n",
            "    pre = None\n", ("tests/test_search.py::test_latency_steps_are_warm_and_contexts_bounded",)),
     Mutant("near_tie_to_the_bigger_tree", "the tune takes a tree predicted 0.1% faster at twice the rows",
            "entmtp/autotune.py", "    near = [c for c in cands if c.predicted_tokens_per_s >= (1 - NEAR_TIE) * top]",
            "    near = [c for c in cands if c.predicted_tokens_per_s >= top]",
            ("tests/test_tuning.py::test_a_near_tie_goes_to_the_smaller_tree",)),
+    Mutant("context_prefills_not_shared", "a tune of several kinds prefills each kind's measuring contexts again "
+           "(~2 s a kind after 1,536 tokens)", "entmtp/calibrate.py", "                self._by_key[key] = p\n",
+           "                pass\n", ("tests/test_tuning.py::test_kinds_tuned_together_prefill_each_measuring_context_once",)),
 )
 
 

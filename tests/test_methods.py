@@ -67,13 +67,13 @@ def test_family_heads_are_the_fastest_tuned_here(monkeypatch):
     fastest (Hydra's cheaper draft can beat Hydra++'s higher tau); untuned, the registry order."""
     from types import SimpleNamespace
 
-    from entmtp import methods
+    from entmtp import autotune, methods
     from entmtp.autotune import best_speedup
 
     engine = SimpleNamespace(runners={"hydra": object(), "hydra++": object(), "medusa": object()})
     predicted = {"hydra": SimpleNamespace(predicted_speedup=1.9, bank_speedup=None),
                  "hydra++": SimpleNamespace(predicted_speedup=1.6, bank_speedup=1.7)}
-    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: predicted[h])
+    monkeypatch.setattr(autotune, "tuned_trees", lambda eng, h, progress=None, prefills=None: predicted[h])
     timed_apart = {"hydra": 1.0, "hydra++": 1.0}  # the side-by-side timing's correction of each prediction
     monkeypatch.setattr(methods, "compared_speedups",
                         lambda eng, tuned, progress=None: {h: best_speedup(t) * timed_apart[h] for h, t in tuned.items()})
@@ -84,7 +84,7 @@ def test_family_heads_are_the_fastest_tuned_here(monkeypatch):
     assert method_heads("entmtp", engine=engine) == "hydra" and method_heads("hydra++", engine=engine) == "hydra++"
     predicted["hydra++"] = SimpleNamespace(predicted_speedup=1.6, bank_speedup=2.1)  # its bank wins
     assert method_heads("entmtp", engine=engine) == "hydra++"
-    monkeypatch.setattr(methods, "tuned_trees", lambda eng, h, progress=None: None)  # ENTMTP_TUNE=0
+    monkeypatch.setattr(autotune, "tuned_trees", lambda eng, h, progress=None, prefills=None: None)  # ENTMTP_TUNE=0
     assert methods.fastest_family(engine) is None and method_heads("entmtp", engine=engine) == "hydra++"
     assert methods.fastest_family(SimpleNamespace(runners={"hydra": object()})) is None
 

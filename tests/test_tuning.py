@@ -331,8 +331,8 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     assert back.long.tree.paths == long.tree.paths and back.long.from_tokens == long.from_tokens
     assert back.long.latency.cost(2, 1) == pytest.approx(long.latency.cost(2, 1))
 
-    monkeypatch.setattr(methods, "tuned_trees", lambda engine, heads, progress=None: tuned)
-    monkeypatch.setattr(autotune, "tuned_trees", lambda engine, heads, progress=None: tuned)
+    monkeypatch.setattr(methods, "tuned_trees", lambda engine, heads, progress=None, prefills=None: tuned)
+    monkeypatch.setattr(autotune, "tuned_trees", lambda engine, heads, progress=None, prefills=None: tuned)
     for name in ("static", "entropy", "dynamic"):
         policy = methods.build_scheduler(eng, "hydra", scheduler=name, progress=None)
         assert isinstance(policy, scheduler.ContextSwitch) and policy.from_tokens == long.from_tokens, name
@@ -557,3 +557,35 @@ def test_heads_measured_apart_are_compared_by_their_trees_timed_side_by_side(tun
     assert autotune.compared_speedups(third, tuned, progress=said.append) == out and len(timings) == 3
     assert said[-1] == "tuning: the side-by-side timing is not cached (Permission denied); it holds for this process"
     assert autotune.compared_speedups(third, tuned) == out and len(timings) == 3  # held, not timed again
+
+
+def test_kinds_tuned_together_prefill_each_measuring_context_once(tuning_on, monkeypatch):
+    """`tune_all` measures every kind on the same contexts and prefills each once for all of them
+    (heads reading the same base layers); each kind tuned on its own prefills its contexts again.
+    The trees tuned either way are measured, not borrowed."""
+    from collections import Counter
+
+    model = tiny_model("llama", vocab=20, seed=3, max_pos=4096)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3),
+                               "medusa": random_heads(model, "medusa", num_heads=3)}, kernels="stock")
+    prompts = [[5, 9, 11, 5, 9, 10], [7, 7, 7, 2, 3, 4]]
+    stats = {id(eng.runners[h]): collect_stats(eng, h, prompts, max_new_tokens=40, max_rank=8) for h in eng.runners}
+    monkeypatch.setattr(autotune, "shipped_stats", lambda runner: stats[id(runner)])
+    lengths = []
+    own_prefill = eng.prefill
+
+    def counted(ids, heads=None):
+        lengths.append(len(ids))
+        return own_prefill(ids, heads=heads)
+
+    monkeypatch.setattr(eng, "prefill", counted)
+    together = autotune.tune_all(eng, ["hydra", "medusa"])
+    assert all(t is not None and t.latency.baseline_s > 0 for t in together.values())
+    shared = Counter(lengths)
+    assert shared and set(shared.values()) == {1}, shared  # each context once, for both kinds
+
+    lengths.clear()
+    monkeypatch.setenv("ENTMTP_TUNE", "refresh")  # measured again, each kind on its own
+    apart = {h: autotune.tuned_trees(eng, h) for h in ("hydra", "medusa")}
+    assert all(t is not None and t.latency.baseline_s > 0 for t in apart.values())
+    assert Counter(lengths)[autotune.SHORT_CONTEXT] == 2 and sum(Counter(lengths).values()) > sum(shared.values())

@@ -1,0 +1,67 @@
+"""Where the trees stage of a tune spends its time, and what sharing the measuring contexts'
+prefills across head kinds saves. No asserts.
+
+Each round tunes every loaded kind twice, on this process's engine, without reading or writing
+the tuning cache (`ENTMTP_CACHE` is pointed at a scratch directory): once as `entmtp tune` does
+(`autotune.tune_all`: the contexts prefilled once for all kinds) and once each kind on its own
+(`autotune.tuned_trees` per kind, as before), the order alternated between rounds so that a
+drift of a shared machine's speed hits both alike. Prints per round and way the seconds of the
+whole stage, of the prefills, and how many prefills ran.
+
+    python scripts/tune_time.py [--rounds 2] [--dtype bfloat16] [--kinds hydra,hydra++,medusa]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
+
+from entmtp import autotune  # noqa: E402
+from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kinds", default="hydra,hydra++,medusa")
+    a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    kinds = [k for k in a.kinds.split(",") if k]
+    engine = load_engine_for(ModelOptions(dtype=a.dtype), kinds)  # kernels from this machine's cache
+    os.environ["ENTMTP_TUNE"] = "refresh"  # the trees measured every time, never read from a cache
+    os.environ["ENTMTP_CACHE"] = tempfile.mkdtemp(prefix="entmtp-tune-time-")
+    prefills: list[float] = []
+    own_prefill = engine.prefill
+
+    def timed_prefill(ids, heads=None):
+        t = time.perf_counter()
+        out = own_prefill(ids, heads=heads)
+        prefills.append(time.perf_counter() - t)
+        return out
+
+    engine.prefill = timed_prefill
+    ways = {"shared prefills (tune_all)": lambda: autotune.tune_all(engine, kinds),
+            "each kind alone": lambda: {k: autotune.tuned_trees(engine, k) for k in kinds}}
+    totals: dict[str, list[float]] = {w: [] for w in ways}
+    print("| round | way | stage s | prefill s | prefills |\n|---:|---|---:|---:|---:|")
+    for r in range(a.rounds):
+        for w in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            prefills.clear()
+            engine.held_tunes.clear()  # a tune held for the process (measured while busy) would be reused
+            t = time.perf_counter()
+            ways[w]()
+            s = time.perf_counter() - t
+            totals[w].append(s)
+            print(f"| {r + 1} | {w} | {s:.1f} | {sum(prefills):.1f} | {len(prefills)} |", flush=True)
+    for w, v in totals.items():
+        print(f"{w}: median {statistics.median(v):.1f} s over {len(v)} round(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
