@@ -528,8 +528,9 @@ def machine_profile(engine, progress: Optional[Callable[[str], object]] = None, 
 
 def draft_lm_entry(runner) -> Optional[dict]:
     """How a heads' drafts score tokens through the shared lm_head slice: int8 or the kernels' own
-    dtype, with the timings that chose it (ms of a 1-row plus a 4-row call; None when forced or
-    too small to measure). None for heads with their own lm_heads."""
+    dtype, with the timings that chose it (ms of a 1-row call on flushed caches plus a 4-row call,
+    `heads.draft_lm_timings`; None when forced or too small to measure). None for heads with their
+    own lm_heads."""
     if runner.lm is None:
         return None
     ms = None if runner.lm_seconds is None else [round(s * 1e3, 3) for s in runner.lm_seconds]
@@ -542,7 +543,7 @@ def draft_lm_words(d: Optional[dict]) -> str:
     if not d:
         return ""
     what = "int8" if d["int8"] else "the kernels' own dtype"
-    why = (f" ({d['ms'][1]:.2f} ms in int8 against {d['ms'][0]:.2f} ms for a 1-row and a 4-row call)"
+    why = (f" ({d['ms'][1]:.2f} ms in int8 against {d['ms'][0]:.2f} ms for a 1-row call on flushed caches and a 4-row call)"
            if d.get("ms") else "")
     layer = " and the Hydra++ layer" if d.get("int8_prefix") else ""
     blocks = f"; the heads' {d['int8_blocks']} residual blocks{layer} in int8 too" if d.get("int8_blocks") else ""

@@ -95,6 +95,33 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+CACHE_SIZE_FALLBACK = 32 << 20  # bytes, where the OS does not say
+
+
+def parse_cache_size(text: str) -> int:
+    """A sysfs cache size ("32768K", "1024K", "32M") in bytes; 0 for anything else."""
+    t = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in "KMG" else t
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+@functools.lru_cache(maxsize=None)
+def largest_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest CPU cache the first core sees (Linux sysfs), else CACHE_SIZE_FALLBACK."""
+    sizes = []
+    try:
+        for entry in os.listdir(root):
+            try:
+                with open(os.path.join(root, entry, "size")) as f:
+                    sizes.append(parse_cache_size(f.read()))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return max(sizes, default=0) or CACHE_SIZE_FALLBACK
+
+
 def synchronize(device) -> None:
     """Wait for `device`'s queued work (CUDA runs asynchronously): timings must include it."""
     dev = torch.device(device)

@@ -28,10 +28,13 @@ LM-head weights), and per-request state (the Hydra++ layer's KV) lives in `Prefi
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
+import statistics
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -39,9 +42,9 @@ import torch.nn.functional as F
 
 from .attention import fp32_sdpa
 from .kernels import (can_pack, int8_draft_layer, kernel_options, pack_panels, packed_twin, probe_ok,
-                      quantize_rows, seconds_per_call, shared_linear, twin_of, within_scale)
+                      quantize_rows, shared_linear, twin_of, within_scale)
 from .trees import Tree
-from .hardware import cpu_isa, fast_bf16_matmul
+from .hardware import cpu_isa, fast_bf16_matmul, largest_cache_bytes
 
 MAX_CACHED_TREES = 512  # dynamic tree shapes a caller's cache keeps before it starts again (each holds its buffers)
 
@@ -702,21 +705,44 @@ INT8_DRAFT_MIN_WEIGHTS = 1 << 20  # a smaller draft lm_head slice stays in the k
 _DRAFT_LM_TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 
+DRAFT_LM_TURNS = 12  # timed turns of each variant (after one untimed), the order alternated
+
+
+def flush_caches(scratch: torch.Tensor) -> None:
+    """Stream `scratch` (twice the largest CPU cache) through the caches, as a verification
+    forward streams the base model's weights before each draft."""
+    scratch.add_(1)
+
+
 def draft_lm_timings(lm: nn.Module, int8: nn.Module, dtype: torch.dtype, kernels: str,
-                     rows: tuple[int, ...] = (1, 4)) -> tuple[float, float]:
-    """Seconds of a draft lm_head slice on its kernel set and as int8 panels, summed over inputs of
-    `rows` rows ([r, in] of `dtype`), the two timed in turns (a drift of the machine's speed hits
-    both alike): measured once per shape, dtype and kernel set in a process."""
+                     rows: tuple[int, ...] = (1, 4), flush: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+    """Seconds of a draft step's calls of the lm_head slice, on its kernel set and as int8 panels:
+    an input of `rows[0]` rows right after the caches were flushed (the first draft level, which
+    follows a verification forward that streamed the base's weights through them), then one of each
+    further row count (the next levels, the slice now cached). Median over turns, the two variants
+    in turns (a drift of the machine's speed hits both alike); once per shape, dtype and kernel set
+    in a process. Timed hot, call after call, the kernels' own bf16 slice had looked twice as fast
+    as int8 on a 2-core EPYC (0.20 against 0.39 ms), while Hydra's drafts in decoding were faster in
+    int8 (0.96 against 1.10 ms a step: `python scripts/step_breakdown.py --draft-lm both`)."""
     key = (int8.out_features, int8.in_features, dtype, kernels, cpu_isa())
     if key not in _DRAFT_LM_TIMINGS:
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(r, int8.in_features, generator=g).to(dtype) for r in rows]
-        totals = [0.0, 0.0]
-        for x in xs:
-            for turn in range(4):
+        if flush is None:
+            scratch = torch.zeros(min(2 * largest_cache_bytes(), 256 << 20), dtype=torch.uint8)
+            flush = functools.partial(flush_caches, scratch)
+        times: tuple[list[float], list[float]] = ([], [])
+        with torch.no_grad():
+            for turn in range(DRAFT_LM_TURNS + 1):
                 for i in ((0, 1) if turn % 2 == 0 else (1, 0)):
-                    totals[i] += seconds_per_call((lm, int8)[i], x, calls=5) / 4
-        _DRAFT_LM_TIMINGS[key] = (totals[0], totals[1])
+                    layer = (lm, int8)[i]
+                    flush()
+                    t0 = time.perf_counter()
+                    for x in xs:
+                        layer(x)
+                    if turn:
+                        times[i].append(time.perf_counter() - t0)
+        _DRAFT_LM_TIMINGS[key] = (statistics.median(times[0]), statistics.median(times[1]))
     return _DRAFT_LM_TIMINGS[key]
 
 

@@ -2,6 +2,7 @@
 AVX2 bf16 panels (within bf16 rounding of the exact product); a twin that leaves the model alone."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -1262,3 +1263,46 @@ def test_tree_masks_come_in_the_dtype_the_twins_attention_reads(panels_only):
     prompt = [5, 9, 11, 5, 9, 30, 31]
     plain = engine.run(prompt, config=DecodeConfig(max_new_tokens=24)).tokens
     assert engine.run(prompt, heads="hydra", tree=tree, config=DecodeConfig(max_new_tokens=24)).tokens == plain
+
+
+def test_draft_lm_timings_time_a_draft_step_from_flushed_caches(monkeypatch):
+    """Each variant's turn is a draft step as decoding meets it: the caches flushed (a verification
+    forward streamed the base's weights), the first level's rows, then the next levels'; the two
+    variants in alternating turns, the first turn untimed; the medians compared."""
+    from entmtp import heads as heads_mod
+
+    monkeypatch.setattr(heads_mod, "_DRAFT_LM_TIMINGS", {})
+    log = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self, name, ms):
+            super().__init__()
+            self.name, self.ms, self.out_features, self.in_features = name, ms, 64, 16
+
+        def forward(self, x):
+            log.append((self.name, x.shape[0]))
+            t = time.perf_counter() + self.ms * 1e-3
+            while time.perf_counter() < t:
+                pass
+            return x
+
+    own, int8 = Layer("own", 2.0), Layer("int8", 0.5)
+    t_own, t_int8 = heads_mod.draft_lm_timings(own, int8, torch.float32, "panels", rows=(1, 4),
+                                               flush=lambda: log.append(("flush", 0)))
+    turns = [log[i: i + 3] for i in range(0, len(log), 3)]
+    assert len(turns) == 2 * (heads_mod.DRAFT_LM_TURNS + 1)
+    assert all(t[0] == ("flush", 0) and [r for _, r in t[1:]] == [1, 4] and t[1][0] == t[2][0] for t in turns)
+    assert [t[1][0] for t in turns[:4]] == ["own", "int8", "int8", "own"]  # the order alternated
+    assert 4e-3 <= t_own < 8e-3 and 1e-3 <= t_int8 < t_own  # two 2 ms calls; two 0.5 ms calls
+
+
+def test_the_largest_cache_is_read_from_sysfs(tmp_path):
+    from entmtp.hardware import CACHE_SIZE_FALLBACK, largest_cache_bytes, parse_cache_size
+
+    assert [parse_cache_size(t) for t in ("32768K", "1024K\n", "32M", "48", "x", "")] == [32 << 20, 1 << 20, 32 << 20, 48, 0, 0]
+    for i, size in enumerate(("32K", "1024K", "32768K")):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")  # not a cache level: skipped
+    assert largest_cache_bytes(str(tmp_path)) == 32 << 20
+    assert largest_cache_bytes(str(tmp_path / "missing")) == CACHE_SIZE_FALLBACK
