@@ -171,6 +171,10 @@ MUTANTS = (
            "(bf16 looked twice as fast as int8; in decoding int8 drafted faster)", "entmtp/heads.py",
            "                    flush()\n", "                    pass\n",
            ("tests/test_kernels.py::test_draft_lm_timings_time_a_draft_step_from_flushed_caches",)),
+    Mutant("invariance_checked_past_a_difference", "a set already found not row-invariant is checked again at "
+           "16 rows (~1 s of the kernel probe)", "entmtp/tuning.py",
+           "            break  # one chain that differs decides it", "            pass  # one chain that differs decides it",
+           ("tests/test_tuning.py::test_invariance_is_checked_up_to_the_first_chain_that_differs",)),
 )
 
 

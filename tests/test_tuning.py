@@ -62,6 +62,19 @@ def test_probe_measures_every_set_that_runs_and_checks_invariance_bitwise():
     assert prof.choice in [t.name for t in prof.trials if t.ran]
 
 
+def test_invariance_is_checked_up_to_the_first_chain_that_differs(monkeypatch):
+    """A set whose 4-row chain already differs from its one-row steps is not checked at 16 rows
+    (the answer is known; the check is 16 one-row forwards); one that matches is checked at every
+    length."""
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=2)
+    same = tuning.measure_set(model, "stock", rows=(1,), repeats=1, check_rows=(4, 16))
+    monkeypatch.setattr(tuning.torch, "equal", lambda a, b: False)
+    differs = tuning.measure_set(model, "stock", rows=(1,), repeats=1, check_rows=(4, 16))
+    monkeypatch.undo()
+    assert differs.invariant_rows == {4: False} and not differs.row_invariant
+    assert set(same.invariant_rows) == ({4, 16} if same.invariant_rows[4] else {4})
+
+
 def test_an_isa_switch_to_generic_leaves_only_stock(monkeypatch):
     monkeypatch.setenv("ENTMTP_ISA", "generic")
     prof = tuning.probe_kernels(tiny_model("llama", vocab=96, dtype=torch.bfloat16), rows=(1, 8), repeats=1, check_rows=(4,))
