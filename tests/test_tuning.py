@@ -193,7 +193,11 @@ def test_tune_command_prints_the_profile_of_this_machine(tmp_path):
     text = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert text.returncode == 0 and "| kernel set |" in text.stdout and "medusa: tree" in text.stdout
     assert "prompt lookup" in text.stdout
-    assert ("(governor)" in text.stdout) == bool(prof["threads_governed"] and prof["threads"])
+    # the text run measures again where the JSON run's profile was taken while the cores were busy
+    # (not cached), so its thread count can differ; its own threads line must be consistent
+    threads = next((line for line in text.stdout.splitlines() if line.startswith("threads: ")), "")
+    assert "(governor)" not in threads or int(threads.split()[1]) > 1, threads  # a governor drops from several to one
+    assert not prof["threads_governed"] or (prof["threads"] or 0) > 1
     bad = subprocess.run(cmd[:4] + ["--methods", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "unknown method" in bad.stderr and "nope" in bad.stderr and "Traceback" not in bad.stderr
     assert (cache / "tuning").is_dir()
