@@ -63,7 +63,6 @@ import hashlib
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -550,18 +549,6 @@ def int8_draft_layer(weight: torch.Tensor) -> Optional[Int8PanelLinear]:
     return layer if probe_ok(layer) else None
 
 
-def seconds_per_call(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 12) -> float:
-    """The median seconds of `layer(x)` over `calls` timed calls, after two untimed ones."""
-    times = []
-    with torch.no_grad():
-        for i in range(calls + 2):
-            t0 = time.perf_counter()
-            layer(x)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 class FusedRMSNorm(nn.Module):
     """A Llama-style RMSNorm, weight * bf16(x * rsqrt(mean(x^2) + eps)) computed in fp32, as one
     op of entmtp's kernel library instead of eight (each costing more dispatch than arithmetic).
@@ -1041,7 +1028,7 @@ def decode_model(model: nn.Module, kernels: str = "auto") -> tuple[nn.Module, st
 
 
 __all__ = ["KERNELS", "KERNEL_SETS", "ONE_ROW_STOCK", "PACKABLE", "PackedLinear", "PanelLinear", "Int8PanelLinear", "quantize_rows", "int8_draft_layer",
-           "seconds_per_call", "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
+           "panels_product", "move_rows", "within_scale", "FusedAttention", "FusedMLP",
            "FusedRMSNorm", "lean_decoder_layers", "tree_mask_dtype", "kernel_options", "pack_method", "dtype_advice", "shared_linear", "packed_layer",
            "packed_linear", "PANEL_LAYOUTS", "pack_panels", "panel_layout", "library_id", "can_pack", "linear_bytes", "twin_of", "packed_twin", "preferred_kernels",
            "decode_model"]

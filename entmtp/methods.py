@@ -177,7 +177,7 @@ def _stderr(s: str) -> None:
 
 
 def tune_loaded(engine: Engine, progress: Optional[Callable[[str], object]] = _stderr) -> None:
-    """Every loaded heads kind tuned here now, where several will decode (a bench, a race): one
+    """Every loaded heads kind tuned here now, where several will decode (a bench): one
     `autotune.tune_all` prefills the measuring contexts once for all of them."""
     tune_all(engine, engine.runners, progress=progress)
 
