@@ -141,7 +141,12 @@ class Engine:
             if n and n > 1 and adaptive_threads_possible():
                 self.governor = ThreadGovernor(n)
         chosen = self.kernel_profile.choice if self.kernel_profile is not None else kernels
-        self.decode_model, self.kernels, self.kernels_reason = decode_model(self.model, chosen)
+        built = self.kernel_profile.built if self.kernel_profile is not None else None
+        if built is not None and built[1] == chosen:  # the probe's own twin of the chosen set
+            self.kernel_profile.built = None
+        else:
+            built = decode_model(self.model, chosen)
+        self.decode_model, self.kernels, self.kernels_reason = built
         self.mask_dtype = tree_mask_dtype(self.decode_model)  # what its attention reads without a conversion
         if self.kernel_profile is not None:
             self.kernels_reason = f"{self.kernels_reason}; {self.kernel_profile.why}"

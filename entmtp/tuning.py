@@ -8,7 +8,8 @@ prepacked one there and loses on an AVX2 EPYC. So at first load a short probe (`
 a few seconds for a 135M model) runs every kernel set that can run here (`kernels.KERNEL_SETS`)
 and measures, on the real model with random tokens after a cached context:
 
-* the step latency for 1, 2, 4, ... tree rows (`ms_by_rows`, fastest of interleaved repeats);
+* the step latency for one tree row and 8 (`ms_by_rows`, fastest of interleaved repeats; what the
+  choice ranks by), and for the chosen set 1, 2, 4, ... 32 rows (128 on CUDA): its latency curve;
 * row invariance, bitwise: the logits of a chain of R rows verified in one forward against R
   one-row steps. Where they are equal, tree verification computes exactly what the plain loop
   computes, so greedy speculation emits exactly the plain loop's tokens.
@@ -99,6 +100,9 @@ class KernelProfile:
     probe_s: float = 0.0
     measured: bool = True  # False: ENTMTP_TUNE=0 (nothing measured)
     cache_file: Optional[str] = None
+    # the chosen set's decoding twin as the probe built it (`decode_model`'s triple), for the engine
+    # to take instead of building it again; never cached
+    built: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def trial(self, name: str) -> Optional[KernelTrial]:
         return next((t for t in self.trials if t.name == name), None)
@@ -178,8 +182,15 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         twin, _, why = decode_model(model, name)
     except ValueError as e:
         return KernelTrial(name, str(e))
+    return measure_twin(twin, name, why, rows, context, repeats, check_rows, seed)
+
+
+@torch.inference_mode()
+def measure_twin(twin, name: str, why: str, rows: tuple[int, ...] = CPU_ROWS, context: int = 96, repeats: int = 5,
+                 check_rows: tuple[int, ...] = (4, 16), seed: int = 0) -> KernelTrial:
+    """`measure_set` on a decoding twin already built for set `name` (`kernels.decode_model`)."""
     trial = KernelTrial(name, why, True)
-    dev = next(model.parameters()).device
+    dev = next(twin.parameters()).device
     cache, rand = _cached_context(twin, context, seed)
     past = context
     times = _time_rows(twin, cache, {r: rand(r) for r in rows}, past, repeats)
@@ -194,6 +205,28 @@ def measure_set(model, name: str, rows: tuple[int, ...] = CPU_ROWS, context: int
         if not trial.invariant_rows[r]:
             break  # one chain that differs decides it; a longer one would cost ~1 s of one-row steps (stock, 2 cores)
     return trial
+
+
+@torch.inference_mode()
+def time_curve(twin, trial: KernelTrial, rows: tuple[int, ...], context: int = 96, repeats: int = 5,
+               seed: int = 0) -> None:
+    """Time `rows` of the set `trial` measured, on its twin, in rounds of their own (every row
+    count in each), and keep per row count the fastest of these and the earlier timings: the
+    latency curve of the chosen set, whose choice read only the rows `ranking_rows` names (a
+    set's figures only fall, so a choice among trials stays what it was)."""
+    cache, rand = _cached_context(twin, context, seed)
+    times = _time_rows(twin, cache, {r: rand(r) for r in rows}, context, repeats)
+    for (_, r), ts in times.items():
+        trial.ms_by_rows[r] = min([min(ts) * 1e3] + ([trial.ms_by_rows[r]] if r in trial.ms_by_rows else []))
+    trial.ms_by_rows = dict(sorted(trial.ms_by_rows.items()))
+
+
+def ranking_rows(rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The row counts `choose` ranks sets by (`KernelTrial.tree_ms`): one row and the widest of
+    `rows` up to 8. The other sets' whole curves were display: on the 2-core AVX-512-bf16 EPYC
+    stock's and oneDNN's 1-32-row curves took ~3 s of a ~8.5 s probe (40-74 and 29-56 ms a forward)."""
+    wide = [r for r in rows if 1 < r <= 8]
+    return (1, max(wide)) if wide else (1,)
 
 
 def _cached_context(twin, context: int, seed: int):
@@ -274,14 +307,17 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
     p = next(model.parameters())
     opts = kernel_options(p.dtype, p.device)
     too_big = kernel_bytes_ok(model) if can_pack(model) is None else None
-    if "rows" not in kw:
-        kw["rows"] = CUDA_ROWS if p.device.type == "cuda" else CPU_ROWS
+    rows = kw.pop("rows", CUDA_ROWS if p.device.type == "cuda" else CPU_ROWS)
     cpu = p.device.type == "cpu"
     before = torch.get_num_threads()
     if cpu:
         torch.set_num_threads(default_threads())
     try:
-        trials = []
+        trials: list[KernelTrial] = []
+        # the current pick's twin, built once for its trial, its curve, the threads and the engine
+        # (a set's build and per-layer probes took ~0.65 s for a 135M model); the pick after each
+        # trial is the one before or the set just measured (`choose`), so at most two twins live
+        kept: Optional[tuple] = None
         for name in sets or KERNEL_SETS:
             why = opts.get(name) or (too_big if name != "stock" else None)
             if why:
@@ -289,28 +325,45 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
                 continue
             if progress:
                 progress(f"tuning: measuring the {name} kernels")
-            trials.append(measure_set(model, name, **kw))
+            try:
+                built = decode_model(model, name)
+            except ValueError as e:
+                trials.append(KernelTrial(name, str(e)))
+                continue
+            trials.append(measure_twin(built[0], name, built[2], rows=ranking_rows(rows), **kw))
+            if choose(trials)[0] == name:
+                kept = built
+            del built
         choice, why, invariant = choose(trials)
+        if kept is None or kept[1] != choice:
+            kept = decode_model(model, choice)
+        chosen = next((t for t in trials if t.name == choice and t.ran), None)
+        if chosen is not None and set(rows) - set(chosen.ms_by_rows):
+            time_curve(kept[0], chosen, tuple(rows), context=kw.get("context", 96), repeats=kw.get("repeats", 5))
+            choice, why, invariant = choose(trials)  # the same set (only its figures fell), its words from the curve
         threads, threads_ms = None, {}
         if cpu and default_threads() > 1:
             if progress:
                 progress("tuning: measuring CPU threads")
-            threads, threads_ms = measure_threads(model, choice)
+            threads, threads_ms = measure_threads(model, choice, twin=kept[0])
     finally:
         torch.set_num_threads(before)
     return KernelProfile(choice, why, invariant, trials, fingerprint(p.device), model_key(model), threads=threads,
-                         threads_ms=threads_ms, created=time.strftime("%Y-%m-%dT%H:%M:%S"), probe_s=time.perf_counter() - t0)
+                         threads_ms=threads_ms, created=time.strftime("%Y-%m-%dT%H:%M:%S"), probe_s=time.perf_counter() - t0,
+                         built=kept)
 
 
-def measure_threads(model, name: str) -> tuple[int, dict[int, float]]:
+def measure_threads(model, name: str, twin=None) -> tuple[int, dict[int, float]]:
     """(fastest thread count, {threads: tree_ms}) for kernel set `name`: the default count against
     one thread, timed in turns (a one-row and an 8-row forward each). Small models decode in
     thousands of short parallel regions a second; their synchronisation can cost more than a second core gives, and a thread
     that waits on a core another process holds stalls every region: all threads are chosen only
     when they are THREADS_GAIN times as fast as one, or ADAPTIVE_GAIN times where the engine's
-    `threads.ThreadGovernor` drops to one thread while other processes use the cores."""
+    `threads.ThreadGovernor` drops to one thread while other processes use the cores. twin: the
+    set's decoding twin where already built."""
     n = torch.get_num_threads()
-    twin, _, _ = decode_model(model, name)
+    if twin is None:
+        twin, _, _ = decode_model(model, name)
     cache, rand = _cached_context(twin, 96, seed=1)
     # the counts in turns within each round (`_time_rows`): the set's own trial, timed earlier with the
     # other sets in between, would compare the counts across a drift of the machine's speed
@@ -387,5 +440,6 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
     return prof
 
 
-__all__ = ["KernelTrial", "KernelProfile", "chain_mask", "model_key", "profile_path", "measure_set", "choose", "probe_kernels",
+__all__ = ["KernelTrial", "KernelProfile", "chain_mask", "model_key", "profile_path", "measure_set", "measure_twin", "time_curve", "ranking_rows", "choose",
+           "probe_kernels",
            "unmeasured_profile", "kernel_profile", "measure_threads", "choose_threads", "apply_threads"]

@@ -175,6 +175,14 @@ MUTANTS = (
            "16 rows (~1 s of the kernel probe)", "entmtp/tuning.py",
            "            break  # one chain that differs decides it", "            pass  # one chain that differs decides it",
            ("tests/test_tuning.py::test_invariance_is_checked_up_to_the_first_chain_that_differs",)),
+    Mutant("probe_twin_built_again", "the engine builds the chosen kernel set's twin again after the probe built "
+           "and timed it (~0.65 s of a load)", "entmtp/decoding.py",
+           "        if built is not None and built[1] == chosen:", "        if False:",
+           ("tests/test_tuning.py::test_the_probe_builds_each_set_once_and_the_engine_decodes_with_its_twin",)),
+    Mutant("whole_curves_of_every_set", "every kernel set is timed at every row count, not only the chosen one "
+           "(~3 s of stock's and oneDNN's 1-32-row forwards)", "entmtp/tuning.py",
+           "rows=ranking_rows(rows), **kw))", "rows=tuple(rows), **kw))",
+           ("tests/test_tuning.py::test_probe_measures_every_set_that_runs_and_checks_invariance_bitwise",)),
 )
 
 

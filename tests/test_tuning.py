@@ -54,12 +54,47 @@ def test_probe_measures_every_set_that_runs_and_checks_invariance_bitwise():
     opts = kernels.kernel_options(torch.bfloat16)
     for t in prof.trials:
         assert t.ran == (opts[t.name] is None)
-        if t.ran:
-            assert set(t.ms_by_rows) == {1, 2, 8} and all(v > 0 for v in t.ms_by_rows.values())
+        if t.ran:  # the choice ranks by one row and 8; the chosen set's whole curve is timed
+            assert set(t.ms_by_rows) == ({1, 2, 8} if t.name == prof.choice else {1, 8})
+            assert all(v > 0 for v in t.ms_by_rows.values())
             assert set(t.invariant_rows) == {4}
     if opts["panels"] is None:  # entmtp's set computes every row as a one-row step would
         assert prof.trial("panels").row_invariant
     assert prof.choice in [t.name for t in prof.trials if t.ran]
+
+
+def test_the_probe_builds_each_set_once_and_the_engine_decodes_with_its_twin(tuning_on, monkeypatch):
+    """Each kernel set's decoding twin is built once (its build and per-layer probes took ~0.65 s
+    for the embedded model): the chosen set's curve, the threads measurement and the engine use
+    the twin its trial was timed on; a cached profile makes the engine build the twin itself."""
+    monkeypatch.delenv("ENTMTP_ISA", raising=False)
+    model = tiny_model("llama", vocab=96, dtype=torch.bfloat16, seed=3)
+    builds, threads_twins = [], []
+    real_build, real_threads = kernels.decode_model, tuning.measure_threads
+
+    def counting_build(m, name="auto"):
+        out = real_build(m, name)
+        builds.append((name, out[0]))
+        return out
+
+    def recording_threads(m, name, twin=None):
+        threads_twins.append(twin)
+        return real_threads(m, name, twin=twin)
+
+    monkeypatch.setattr(tuning, "decode_model", counting_build)
+    monkeypatch.setattr("entmtp.decoding.decode_model", counting_build)
+    monkeypatch.setattr(tuning, "measure_threads", recording_threads)
+    monkeypatch.setattr(tuning, "default_threads", lambda: 2)  # the threads are measured on any machine
+    monkeypatch.setattr(tuning, "busy_note", lambda *a: None)  # cached even while other processes ran
+    engine = Engine(model, None, {}, kernels="auto")
+    ran = [t.name for t in engine.kernel_profile.trials if t.ran]
+    assert sorted(name for name, _ in builds) == sorted(ran)  # one build per set that ran, none by the engine
+    chosen = next(twin for name, twin in builds if name == engine.kernels)
+    assert engine.decode_model is chosen and threads_twins == [chosen]
+    assert engine.kernel_profile.built is None  # the profile holds no model once the engine took it
+    builds.clear()
+    again = Engine(model, None, {}, kernels="auto")  # the profile from the cache: the engine builds its twin
+    assert [name for name, _ in builds] == [again.kernels] and again.decode_model is builds[0][1]
 
 
 def test_invariance_is_checked_up_to_the_first_chain_that_differs(monkeypatch):
