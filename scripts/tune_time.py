@@ -1,14 +1,15 @@
-"""Where the trees stage of a tune spends its time, and what sharing the measuring contexts'
-prefills across head kinds saves. No asserts.
+"""Where the trees stage of a tune spends its time, what sharing the measuring contexts'
+prefills across head kinds saves, and which trees each tune chose. No asserts.
 
 Each round tunes every loaded kind twice, on this process's engine, without reading or writing
 the tuning cache (`ENTMTP_CACHE` is pointed at a scratch directory): once as `entmtp tune` does
 (`autotune.tune_all`: the contexts prefilled once for all kinds) and once each kind on its own
 (`autotune.tuned_trees` per kind, as before), the order alternated between rounds so that a
 drift of a shared machine's speed hits both alike. Prints per round and way the seconds of the
-whole stage, of the prefills, and how many prefills ran.
+whole stage, of the prefills, and how many prefills ran, and per kind the tree chosen, its
+predicted speedup over plain decoding and the grid points each latency round timed.
 
-    python scripts/tune_time.py [--rounds 2] [--dtype bfloat16] [--kinds hydra,hydra++,medusa]
+    python scripts/tune_time.py [--rounds 2] [--dtype bfloat16] [--kinds hydra,hydra++,medusa] [--ways shared,alone]
 """
 
 import argparse
@@ -28,9 +29,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kinds", default="hydra,hydra++,medusa")
+    ap.add_argument("--ways", default="shared,alone", help="shared (as `entmtp tune`), alone (each kind on its own)")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
+    chosen_ways = [w for w in a.ways.split(",") if w]
+    if not chosen_ways or set(chosen_ways) - {"shared", "alone"}:
+        ap.error("--ways takes shared and/or alone")
     kinds = [k for k in a.kinds.split(",") if k]
     engine = load_engine_for(ModelOptions(dtype=a.dtype), kinds)  # kernels from this machine's cache
     os.environ["ENTMTP_TUNE"] = "refresh"  # the trees measured every time, never read from a cache
@@ -45,19 +50,23 @@ def main() -> int:
         return out
 
     engine.prefill = timed_prefill
-    ways = {"shared prefills (tune_all)": lambda: autotune.tune_all(engine, kinds),
-            "each kind alone": lambda: {k: autotune.tuned_trees(engine, k) for k in kinds}}
+    every = {"shared": ("shared prefills (tune_all)", lambda: autotune.tune_all(engine, kinds)),
+             "alone": ("each kind alone", lambda: {k: autotune.tuned_trees(engine, k) for k in kinds})}
+    ways = dict(every[w] for w in chosen_ways)
     totals: dict[str, list[float]] = {w: [] for w in ways}
-    print("| round | way | stage s | prefill s | prefills |\n|---:|---|---:|---:|---:|")
+    print("| round | way | stage s | prefill s | prefills | trees (nodes/depth, predicted x plain; points per latency round) |")
+    print("|---:|---|---:|---:|---:|---|")
     for r in range(a.rounds):
         for w in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
             prefills.clear()
             engine.held_tunes.clear()  # a tune held for the process (measured while busy) would be reused
             t = time.perf_counter()
-            ways[w]()
+            tuned = ways[w]()
             s = time.perf_counter() - t
             totals[w].append(s)
-            print(f"| {r + 1} | {w} | {s:.1f} | {sum(prefills):.1f} | {len(prefills)} |", flush=True)
+            trees = "; ".join(f"{k} {v.tree.n_nodes}/d{v.tree.depth} {v.predicted_speedup:.2f}x "
+                              f"{v.latency.meta.get('points_per_round')}" for k, v in tuned.items() if v is not None)
+            print(f"| {r + 1} | {w} | {s:.1f} | {sum(prefills):.1f} | {len(prefills)} | {trees} |", flush=True)
     for w, v in totals.items():
         print(f"{w}: median {statistics.median(v):.1f} s over {len(v)} round(s)")
     return 0
