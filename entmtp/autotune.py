@@ -223,9 +223,10 @@ TUNE_ROUNDS = 3  # rounds of a tune's latency measurement: every grid point in t
 def contenders(cands: list[Candidate], margin: float = FOCUS_MARGIN) -> Callable[[LatencyModel], set[tuple[int, int]]]:
     """The `focus` of a tune's `measure_latency`: given the latency model measured so far, the
     grid points (size, depth) that price the searched trees `cands` predicted within `margin` of
-    the highest tokens/s. The other ~3/4 of the grid (on the 2-core AVX-512-bf16 EPYC, 6-16 of a
-    kind's 39 points were within 10%), trees whose steps cost too much for their tau, is timed
-    once: a second timing cannot make them win, and their 16-32-row steps are the dearest to time."""
+    the highest tokens/s (on the 2-core AVX-512-bf16 EPYC 5-20 of a kind's 39 points;
+    `scripts/tune_time.py` prints them). The rest of the grid, trees whose steps cost too much for
+    their tau, is timed once: a second timing would not make them win, and their 16-32-row steps
+    are the dearest to time."""
     def focus(latency: LatencyModel) -> set[tuple[int, int]]:
         scored = [c for c in rescored(cands, latency) if math.isfinite(c.predicted_tokens_per_s)]
         if not scored:

@@ -440,6 +440,6 @@ def kernel_profile(model, progress: Optional[Callable[[str], object]] = None) ->
     return prof
 
 
-__all__ = ["KernelTrial", "KernelProfile", "chain_mask", "model_key", "profile_path", "measure_set", "measure_twin", "time_curve", "ranking_rows", "choose",
-           "probe_kernels",
-           "unmeasured_profile", "kernel_profile", "measure_threads", "choose_threads", "apply_threads"]
+__all__ = ["KernelTrial", "KernelProfile", "chain_mask", "model_key", "profile_path", "measure_set", "measure_twin",
+           "time_curve", "ranking_rows", "choose", "probe_kernels", "unmeasured_profile", "kernel_profile",
+           "measure_threads", "choose_threads", "apply_threads"]
