@@ -22,7 +22,6 @@ import functools
 import gzip
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from .calibrate import LATENCY_PROTOCOL, CalibrationStats, ContextPrefills, Late
 from .lookup import chain_outcomes
 from .paths import write_json_atomic
 from .scheduler import EntropyBucketScheduler
-from .search import Candidate, rescored, search_trees
+from .search import search_trees
 from .threads import CoreLoad, busy_note, torch_threads
 from .trees import Tree
 from .tuning import machine_dir, model_key
@@ -216,31 +215,7 @@ def choose_tree(cands):
     return min(near, key=lambda c: (c.n_nodes, c.depth, -c.predicted_tokens_per_s))
 
 
-FOCUS_MARGIN = 0.12  # rounds after the first time again the grid points of trees predicted within this of the best
-TUNE_ROUNDS = 3  # rounds of a tune's latency measurement: every grid point in the first, the contenders' in the rest
-
-
-def contenders(cands: list[Candidate], margin: float = FOCUS_MARGIN) -> Callable[[LatencyModel], set[tuple[int, int]]]:
-    """The `focus` of a tune's `measure_latency`: given the latency model measured so far, the
-    grid points (size, depth) that price the searched trees `cands` predicted within `margin` of
-    the highest tokens/s (on the 2-core AVX-512-bf16 EPYC 5-20 of a kind's 39 points;
-    `scripts/tune_time.py` prints them). The rest of the grid, trees whose steps cost too much for
-    their tau, is timed once: a second timing would not make them win, and their 16-32-row steps
-    are the dearest to time."""
-    def focus(latency: LatencyModel) -> set[tuple[int, int]]:
-        scored = [c for c in rescored(cands, latency) if math.isfinite(c.predicted_tokens_per_s)]
-        if not scored:
-            return set()
-        top = max(c.predicted_tokens_per_s for c in scored)
-        out: set[tuple[int, int]] = set()
-        for c in scored:
-            if c.predicted_tokens_per_s >= (1 - margin) * top:
-                out |= latency.bracket(c.n_nodes, c.depth)
-        return out
-    return focus
-
-
-def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = TUNE_ROUNDS,
+def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,
                progress: Optional[Callable[[str], object]] = None,
                prefills: Optional[ContextPrefills] = None) -> Optional[TunedTrees]:
     """Measure step latency here for trees of each size and depth, then choose the static tree of
@@ -255,11 +230,9 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     sizes = CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES
     if progress:
         progress(f"tuning: step latency of {heads} trees on this machine")
-    searched = search_trees(stats, [max(sizes)], depths=range(1, K + 1))  # the trees and their tau: no timing needed
     latency = measure_latency(engine, heads, max_nodes=max(sizes), sizes=sizes, depths=range(1, K + 1),
-                              repeats=repeats, context_tokens=SHORT_CONTEXT, prefills=prefills,
-                              focus=contenders(searched))
-    cands = rescored(searched, latency)
+                              repeats=repeats, context_tokens=SHORT_CONTEXT, prefills=prefills)
+    cands = search_trees(stats, [max(sizes)], latency, depths=range(1, K + 1))
     best = choose_tree(cands)
     tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}")
     top = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
@@ -285,27 +258,22 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if context >= 4 * SHORT_CONTEXT and tree.n_nodes > 1:
         if progress:
             progress(f"tuning: step latency of {heads} trees after {context} cached tokens")
-        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats, prefills=prefills,
-                                           searched=searched)
+        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats, prefills=prefills)
         if out.long is None:  # a long-context tree is shown on its own line (`long_context_words`)
             out.why += f"; {note}"
     return out
 
 
 def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedTrees, context: int,
-                      repeats: int = TUNE_ROUNDS, prefills: Optional[ContextPrefills] = None,
-                      searched: Optional[list[Candidate]] = None) -> tuple[Optional[LongContextTrees], str]:
+                      repeats: int = 2, prefills: Optional[ContextPrefills] = None) -> tuple[Optional[LongContextTrees], str]:
     """Time trees no larger nor deeper than the short-context one after `context` cached tokens
     (rows only get dearer as the context grows, so no larger tree can pay there) and choose the
     best by the same scoring; (its `LongContextTrees`, why) where it beats the short-context tree
-    there, else (None, why). searched: the short-context search's trees, whose ones of that size
-    and depth at most steer the later rounds (`contenders`)."""
+    there, else (None, why)."""
     size, depth = short.tree.n_nodes, short.tree.depth
     sizes = [n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size]
-    within = [c for c in searched or () if c.n_nodes <= size and c.depth <= depth]
     latency = measure_latency(engine, heads, max_nodes=size, sizes=sizes, depths=range(1, depth + 1),
-                              repeats=repeats, context_tokens=context, prefills=prefills,
-                              focus=contenders(within) if within else None)
+                              repeats=repeats, context_tokens=context, prefills=prefills)
     cands = search_trees(stats, [size], latency, depths=range(1, depth + 1))
     best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
     kept = latency.speedup(short.predicted_tau, size, depth)

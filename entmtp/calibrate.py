@@ -1070,20 +1070,6 @@ class LatencyModel:
         d = depth if depth in self._fit else min(self._fit, key=lambda k: (abs(k - depth), -k))
         return _interpolate(*self._fit[d], n_nodes)
 
-    def bracket(self, n_nodes: int, depth: int) -> set[tuple[int, int]]:
-        """The measured (size, depth) points `cost(n_nodes, depth)` is read from: the sizes around
-        n_nodes at that depth (the last two beyond them); empty for a root-only step."""
-        if n_nodes <= 0 or not self.points:
-            return set()
-        d = depth if depth in self.points else min(self.points, key=lambda k: (abs(k - depth), -k))
-        sizes = [n for n, _ in self.points[d]]
-        below = [n for n in sizes if n <= n_nodes]
-        above = [n for n in sizes if n >= n_nodes]
-        around = {below[-1] if below else sizes[0], above[0] if above else sizes[-1]}
-        if not above and len(sizes) > 1:
-            around.add(sizes[-2])
-        return {(n, d) for n in around}
-
     def tokens_per_s(self, tau: float, n_nodes: int, depth: int) -> float:
         c = self.cost(n_nodes, depth)
         return tau / c if c > 0 else float("nan")
@@ -1317,8 +1303,7 @@ def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> 
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None,
-                    prefills: Optional[ContextPrefills] = None,
-                    focus: Optional[Callable[["LatencyModel"], set[tuple[int, int]]]] = None) -> LatencyModel:
+                    prefills: Optional[ContextPrefills] = None) -> LatencyModel:
     """Measure one decoding step's time (draft + verify + bookkeeping) with the real engine and
     heads, for representative trees of every size in `sizes` (default `size_grid`) at every depth
     in `depths` (default 1..num_heads), plus a root-only (plain decoding) step: each tree as the
@@ -1327,10 +1312,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     tokens or the given `context_ids`, so drift in machine load hits every size alike; each
     timed step follows an untimed step of the same tree and each generation adds at most
     `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). prefills:
-    the context's prefill shared with other heads' measurements (`ContextPrefills`). focus: given
-    the model measured so far, the (n_nodes, depth) points worth timing again; every round after
-    the first times only those (`autotune.contenders`: the points that price the trees predicted
-    near the best), and the other points keep the rounds they had."""
+    the context's prefill shared with other heads' measurements (`ContextPrefills`)."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:
@@ -1375,23 +1357,9 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         base.extend(ts)
         return statistics.median(ts)
 
-    def model(meta: Optional[dict] = None) -> LatencyModel:
-        baseline = min(base) if base else float("nan")
-        points = {d: [] for d in depths}
-        for j, (n, d) in enumerate(jobs):
-            if ratios.get(j):
-                points[d].append((n, statistics.median(ratios[j]) * baseline))
-        return LatencyModel(baseline, points, meta or {})
-
     before = plain_step()
-    order = list(range(len(bank)))
-    per_round = []
-    for r in range(repeats):
-        if r and focus is not None:
-            wanted = focus(model())
-            order = [j for j, job in enumerate(jobs) if job in wanted]
-            total = done[0] + (len(order) + 3) * (repeats - r)
-        per_round.append(len(order))
+    for _ in range(repeats):
+        order = list(range(len(bank)))
         for c in range(0, len(order), per_gen):
             times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick, pre)
             after = plain_step()
@@ -1399,9 +1367,14 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
                 ratios.setdefault(j, []).extend(ratios_to_plain_around(ts, before, after))
             before = after
         tick(3)
+    baseline = min(base) if base else float("nan")
+    points = {d: [] for d in depths}
+    for j, (n, d) in enumerate(jobs):
+        if ratios.get(j):
+            points[d].append((n, statistics.median(ratios[j]) * baseline))
     meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats,
-            "points_per_round": per_round, "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return model(meta)
+            "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return LatencyModel(baseline, points, meta)
 
 
 def measure_step_ratios(engine: Engine, trees: dict[str, Tree], *, rounds: int = 6, context_tokens: int = 96,

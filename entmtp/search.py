@@ -281,15 +281,6 @@ def score_tree(stats: CalibrationStats, tree: Tree, latency: Optional[LatencyMod
     return c
 
 
-def rescored(cands: Sequence[Candidate], latency: LatencyModel) -> list[Candidate]:
-    """`cands` with their step cost, tokens/s and speedup predicted by `latency` (their trees and
-    tau, which do not depend on it, kept): a search's trees scored by another latency model
-    without searching again (~0.4 s a kind for the shipped statistics on a 2-core CPU)."""
-    return [dataclasses.replace(c, step_cost_s=latency.cost(c.n_nodes, c.depth),
-                                predicted_tokens_per_s=latency.tokens_per_s(c.predicted_tau, c.n_nodes, c.depth),
-                                predicted_speedup=latency.speedup(c.predicted_tau, c.n_nodes, c.depth)) for c in cands]
-
-
 def search_trees(stats: CalibrationStats, budgets: Sequence[int], latency: Optional[LatencyModel] = None, *,
                  depths: Optional[Sequence[int]] = None, methods: Sequence[str] = ("greedy", "dp"),
                  references: Sequence[Tree] = (), progress: Optional[Progress] = None) -> list[Candidate]:

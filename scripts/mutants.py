@@ -183,14 +183,6 @@ MUTANTS = (
            "(~3 s of stock's and oneDNN's 1-32-row forwards)", "entmtp/tuning.py",
            "rows=ranking_rows(rows), **kw))", "rows=tuple(rows), **kw))",
            ("tests/test_tuning.py::test_probe_measures_every_set_that_runs_and_checks_invariance_bitwise",)),
-    Mutant("focus_ignored", "every latency round times the whole grid again, the points of trees far from the best "
-           "included (their 16-32-row steps the dearest to time)", "entmtp/calibrate.py",
-           "        if r and focus is not None:", "        if False:",
-           ("tests/test_search.py::test_later_latency_rounds_time_only_the_points_the_focus_names",)),
-    Mutant("contenders_best_only", "only the best predicted tree's points are timed again, not those of the trees "
-           "near it (a near-tie timed once stays where one noisy timing put it)", "entmtp/autotune.py",
-           "            if c.predicted_tokens_per_s >= (1 - margin) * top:", "            if c.predicted_tokens_per_s >= top:",
-           ("tests/test_tuning.py::test_a_tune_times_again_only_the_points_of_trees_near_the_best",)),
 )
 
 

@@ -6,8 +6,8 @@ the tuning cache (`ENTMTP_CACHE` is pointed at a scratch directory): once as `en
 (`autotune.tune_all`: the contexts prefilled once for all kinds) and once each kind on its own
 (`autotune.tuned_trees` per kind, as before), the order alternated between rounds so that a
 drift of a shared machine's speed hits both alike. Prints per round and way the seconds of the
-whole stage, of the prefills, and how many prefills ran, and per kind the tree chosen, its
-predicted speedup over plain decoding and the grid points each latency round timed.
+whole stage, of the prefills, and how many prefills ran, and per kind the tree chosen and its
+predicted speedup over plain decoding.
 
     python scripts/tune_time.py [--rounds 2] [--dtype bfloat16] [--kinds hydra,hydra++,medusa] [--ways shared,alone]
 """
@@ -54,7 +54,7 @@ def main() -> int:
              "alone": ("each kind alone", lambda: {k: autotune.tuned_trees(engine, k) for k in kinds})}
     ways = dict(every[w] for w in chosen_ways)
     totals: dict[str, list[float]] = {w: [] for w in ways}
-    print("| round | way | stage s | prefill s | prefills | trees (nodes/depth, predicted x plain; points per latency round) |")
+    print("| round | way | stage s | prefill s | prefills | trees (nodes/depth, predicted x plain decoding) |")
     print("|---:|---|---:|---:|---:|---|")
     for r in range(a.rounds):
         for w in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
@@ -64,8 +64,8 @@ def main() -> int:
             tuned = ways[w]()
             s = time.perf_counter() - t
             totals[w].append(s)
-            trees = "; ".join(f"{k} {v.tree.n_nodes}/d{v.tree.depth} {v.predicted_speedup:.2f}x "
-                              f"{v.latency.meta.get('points_per_round')}" for k, v in tuned.items() if v is not None)
+            trees = "; ".join(f"{k} {v.tree.n_nodes}/d{v.tree.depth} {v.predicted_speedup:.2f}x"
+                              for k, v in tuned.items() if v is not None)
             print(f"| {r + 1} | {w} | {s:.1f} | {sum(prefills):.1f} | {len(prefills)} | {trees} |", flush=True)
     for w, v in totals.items():
         print(f"{w}: median {statistics.median(v):.1f} s over {len(v)} round(s)")

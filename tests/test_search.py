@@ -482,46 +482,6 @@ def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
     assert all(len(pts) == 4 - d + 1 for d, pts in lm.points.items())
 
 
-def test_later_latency_rounds_time_only_the_points_the_focus_names(monkeypatch):
-    """With a focus, the first round times every (size, depth) point and each later round only
-    those the focus names, given the model measured so far; a point outside keeps its first timing."""
-    import entmtp.calibrate as cal
-
-    eng = engine3()
-    timed: dict[tuple[int, int], int] = {}
-    seen_models = []
-
-    def fake(engine, heads, bank, sequence, ids, progress, prefill=None):
-        out = {}
-        for j in sequence:
-            t = bank[j]
-            if heads is not None:
-                timed[(t.n_nodes, t.depth)] = timed.get((t.n_nodes, t.depth), 0) + 1
-            out.setdefault(j, []).append(0.01 * (1.0 if heads is None else 1 + 0.1 * t.n_nodes))
-        return out
-
-    def focus(lm):
-        seen_models.append({(n, d) for d, pts in lm.points.items() for n, _ in pts})
-        return {(2, 1), (3, 2)}
-
-    monkeypatch.setattr(cal, "_cycle_times", fake)
-    lm = cal.measure_latency(eng, "hydra", sizes=[1, 2, 3, 4], repeats=3, context_tokens=8, focus=focus)
-    jobs = set(latency_jobs([1, 2, 3, 4], [1, 2, 3]))
-    assert seen_models == [jobs, jobs]  # asked after the first round and after the second, with every point
-    assert timed == {job: 3 if job in {(2, 1), (3, 2)} else 1 for job in jobs}
-    assert lm.meta["points_per_round"] == [len(jobs), 2, 2]
-    assert {(n, d) for d, pts in lm.points.items() for n, _ in pts} == jobs
-    assert lm.cost(4, 3) == pytest.approx(0.014)  # timed once, kept
-
-
-def test_a_latency_bracket_names_the_points_a_cost_is_read_from():
-    lm = LatencyModel(0.01, {1: [(1, 0.011), (2, 0.012), (4, 0.013)], 2: [(2, 0.012), (8, 0.02)]})
-    assert lm.bracket(3, 1) == {(2, 1), (4, 1)} and lm.bracket(2, 1) == {(2, 1)}
-    assert lm.bracket(6, 1) == {(2, 1), (4, 1)}  # beyond the last point: the last slope
-    assert lm.bracket(5, 3) == {(2, 2), (8, 2)}  # an unmeasured depth reads the nearest
-    assert lm.bracket(0, 1) == set()
-
-
 def test_latency_is_measured_against_plain_steps_around_each_generation(monkeypatch):
     """On a machine whose speed drifts between generations (here: every generation 10% slower than
     the one before), a tree's cost is its ratio to the plain steps timed around its generation, so

@@ -404,47 +404,6 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     assert again is None and "the same tree still pays best" in why
 
 
-def test_a_tune_times_again_only_the_points_of_trees_near_the_best(monkeypatch):
-    """The rounds after the first time the grid points that price the trees predicted within
-    FOCUS_MARGIN of the best tokens/s, and only those: where rows are dear, small trees' points;
-    where rows are nearly free, larger ones (the trees that then win)."""
-    from entmtp.calibrate import LatencyModel
-    from entmtp.search import search_trees
-
-    model = tiny_model("llama", vocab=20, seed=3)
-    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
-    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 10], [7, 7, 7, 2, 3, 4]], max_new_tokens=40, max_rank=8)
-    searched = search_trees(stats, [32], depths=range(1, 4))
-    focus = autotune.contenders(searched)
-    sizes = autotune.CPU_SIZES
-
-    def lm(per_row):
-        return LatencyModel(0.01, {d: [(n, 0.01 * (1 + 0.02 * d) + per_row * n) for n in sizes if n >= d] for d in (1, 2, 3)})
-
-    dear, cheap = lm(6e-4), lm(1e-6)
-    for latency in (dear, cheap):
-        pts = focus(latency)
-        scored = [c for c in search_trees(stats, [32], latency, depths=range(1, 4))]
-        top = max(c.predicted_tokens_per_s for c in scored)
-        near = [c for c in scored if c.predicted_tokens_per_s >= (1 - autotune.FOCUS_MARGIN) * top]
-        assert pts == set().union(*(latency.bracket(c.n_nodes, c.depth) for c in near))
-        assert pts and len(pts) < sum(len(v) for v in latency.points.values())
-    assert max(n for n, _ in focus(dear)) < max(n for n, _ in focus(cheap))
-
-    seen = {}
-
-    def fake_latency(engine, heads, *, max_nodes, sizes, depths, repeats, context_tokens, focus=None, **kw):
-        seen[context_tokens] = (repeats, focus)
-        return dear
-
-    monkeypatch.setattr(autotune, "measure_latency", fake_latency)
-    tuned = autotune.tune_trees(eng, "hydra", stats=stats)
-    repeats, given = seen[autotune.SHORT_CONTEXT]
-    assert repeats == autotune.TUNE_ROUNDS and given is not None and given(dear) == focus(dear)
-    best = max(search_trees(stats, [32], dear, depths=range(1, 4)), key=lambda c: c.predicted_tokens_per_s)
-    assert tuned.predicted_speedup >= best.predicted_speedup * (1 - autotune.NEAR_TIE) - 1e-9
-
-
 def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
     """The Machine tab's chart: kernel sets in ms as probed; each heads' whole step as its ratio to a
     plain step (what the latency model measures robustly) times the chosen set's one-row forward, so
