@@ -217,7 +217,7 @@ def time_curve(twin, trial: KernelTrial, rows: tuple[int, ...], context: int = 9
     cache, rand = _cached_context(twin, context, seed)
     times = _time_rows(twin, cache, {r: rand(r) for r in rows}, context, repeats)
     for (_, r), ts in times.items():
-        trial.ms_by_rows[r] = min([min(ts) * 1e3] + ([trial.ms_by_rows[r]] if r in trial.ms_by_rows else []))
+        trial.ms_by_rows[r] = min(min(ts) * 1e3, trial.ms_by_rows.get(r, float("inf")))
     trial.ms_by_rows = dict(sorted(trial.ms_by_rows.items()))
 
 
@@ -339,7 +339,7 @@ def probe_kernels(model, sets: Optional[tuple[str, ...]] = None, progress: Optio
             kept = decode_model(model, choice)
         chosen = next((t for t in trials if t.name == choice and t.ran), None)
         if chosen is not None and set(rows) - set(chosen.ms_by_rows):
-            time_curve(kept[0], chosen, tuple(rows), context=kw.get("context", 96), repeats=kw.get("repeats", 5))
+            time_curve(kept[0], chosen, tuple(rows), **{k: v for k, v in kw.items() if k in ("context", "repeats", "seed")})
             choice, why, invariant = choose(trials)  # the same set (only its figures fell), its words from the curve
         threads, threads_ms = None, {}
         if cpu and default_threads() > 1:
