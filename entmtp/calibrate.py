@@ -1175,14 +1175,15 @@ def latency_cache_path(engine: Engine, heads: str) -> Path:
     return cache_dir() / "latency" / f"{model}-{_slug(key['device'])}-{key['dtype']}-{_slug(label)}-{tag}.json"
 
 
-def _trees_per_generation(engine: Engine, bank: list[Tree], ids: list[int]) -> int:
-    """How many trees of `bank` one measuring generation times (a warm and a timed step each) after
-    `ids`, within `LATENCY_WINDOW` tokens and the model's context."""
+def _trees_per_generation(engine: Engine, bank: list[Tree], ids: list[int], steps_per_tree: int = 2) -> int:
+    """How many trees of `bank` one measuring generation times (`steps_per_tree` steps each: a warm
+    and a timed one, or the timed one alone) after `ids`, within `LATENCY_WINDOW` tokens and the
+    model's context."""
     room = engine.max_context - len(ids) - max(t.size for t in bank) - 2
     per_step = max(t.depth for t in bank) + 1  # most tokens one step adds
-    if room < 2 * per_step:
+    if room < steps_per_tree * per_step:
         raise ValueError("the model's context is too short for the latency measurement")
-    return max(1, min(room, LATENCY_WINDOW) // (2 * per_step))
+    return max(1, min(room, LATENCY_WINDOW) // (steps_per_tree * per_step))
 
 
 class _Cycle(Scheduler):
@@ -1211,7 +1212,8 @@ LATENCY_WINDOW = 128  # most tokens one measuring generation adds to its context
 
 
 def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequence: list[int],
-                 ids: list[int], progress: Callable[[int], Any], prefill: Optional[Prefill] = None) -> dict[int, list[float]]:
+                 ids: list[int], progress: Callable[[int], Any], prefill: Optional[Prefill] = None,
+                 warm: bool = True) -> dict[int, list[float]]:
     """Step times of the trees `bank[j]` for j in `sequence`, in that order, in as few
     generations as the context allows, each started from `prefill` (`context_prefill`) where
     given, else from a prefill of its own. Returns {j: [seconds, ...]}.
@@ -1224,14 +1226,16 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
       evicts, while decoding reuses a few sizes;
     * a generation adds at most `LATENCY_WINDOW` tokens before the next prefill: step time
       grows with the context (a 33-row step: 58 ms at 100 tokens, 98 ms at 1,000), and one long
-      generation would measure the later trees at ever longer contexts."""
+      generation would measure the later trees at ever longer contexts.
+    warm=False times every step, each tree's first after another tree's (`measure_latency`)."""
     times: dict[int, list[float]] = {}
     todo = list(sequence)
-    n = _trees_per_generation(engine, bank, ids)
+    per_tree = 2 if warm else 1
+    n = _trees_per_generation(engine, bank, ids, per_tree)
     per_step = max(t.depth for t in bank) + 1  # most tokens one step adds
     while todo:
         chunk, todo = todo[:n], todo[n:]
-        plan = [j for j in chunk for _ in (0, 1)]  # (warm, timed) per tree
+        plan = [j for j in chunk for _ in range(per_tree)]  # (warm, timed) per tree, or timed alone
         cfg = DecodeConfig(max_new_tokens=(len(plan) + 1) * per_step + 1, eos_token_ids=())
         if heads is None:
             gen = engine.generate(ids, config=cfg, prefill=prefill)
@@ -1242,7 +1246,7 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
             if step.time_verify <= 0:
                 continue
             k += 1
-            if k % 2 == 0:  # the warm step
+            if warm and k % 2 == 0:  # the warm step
                 continue
             j = plan[k]
             if heads is None or step.n_nodes == bank[j].n_nodes:
@@ -1252,7 +1256,7 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
                 break
         else:
             if k < len(plan) - 1:  # ended early (should not happen without EOS); retry the rest
-                done = (k + 1) // 2
+                done = (k + 1) // per_tree
                 if done <= 0:
                     raise ValueError("the latency measurement made no progress (context too short?)")
                 todo = chunk[done:] + todo
@@ -1261,8 +1265,9 @@ def _cycle_times(engine: Engine, heads: Optional[str], bank: list[Tree], sequenc
 
 class ContextPrefills:
     """The measuring contexts' prefills, shared by the measurements of several heads (a tune of
-    every loaded kind): the kinds are timed on the same random contexts, and after 1,536 cached
-    tokens a prefill costs ~2 s on a 2-core CPU, which each kind's measurement paid again. Keyed
+    every loaded kind): the kinds are timed on the same random contexts, each prefilled once
+    (before `COMPUTED_CONTEXT`, a 1,536-token prefill cost ~2 s on a 2-core CPU, and each kind's
+    measurement had paid it again). Keyed
     by the context and the base layers the heads read; a prefill serves one generation at a time
     (`Prefill.start`), which the measurements, run one after another, respect. Lives as long as
     its holder (`autotune.tune_all`), not on the engine."""
@@ -1281,17 +1286,42 @@ class ContextPrefills:
         return p
 
 
+COMPUTED_CONTEXT = 128  # tokens of a measuring context the model runs; a longer one repeats their cache rows
+
+
 def context_prefill(engine: Engine, ids: list[int], heads: Optional[str] = None,
                     shared: Optional[ContextPrefills] = None) -> Optional[Prefill]:
     """The measuring context's prefill, for every generation of a measurement to start from
     (plain steps and the steps of `heads` or of heads reading the same base layers): timing ~30
     steps after 1,536 cached tokens took ~2 s of prefill for each generation of ~0.3 s of steps.
     Taken from `shared` where given (computed there once). None where the model's cache cannot be
-    cropped back (sliding-window layers): each generation then prefills the context itself."""
+    cropped back (sliding-window layers): each generation then prefills the context itself.
+
+    Only the first `COMPUTED_CONTEXT` tokens go through the model; a longer context's cache and
+    features are theirs repeated to its length (`repeated_prefill`): a step's time depends on how
+    many positions it attends over, not on what they hold, and the one prefill of 1,536 tokens was
+    ~2 s of a ~30 s tune of three kinds on a 2-core CPU."""
     if shared is not None:
         return shared.get(engine, ids, heads)
-    p = engine.prefill(ids, heads=heads)
-    return p if p.rewindable else None
+    p = engine.prefill(ids[:COMPUTED_CONTEXT], heads=heads)
+    if not p.rewindable:
+        return None
+    return repeated_prefill(p, ids) if len(ids) > len(p.prompt) else p
+
+
+@torch.inference_mode()
+def repeated_prefill(p: Prefill, ids: list[int]) -> Prefill:
+    """`p` grown to a prefill of `ids` (len(ids) > len(p.prompt), a rewindable cache): every cache
+    layer's keys and values [B, H, T, D] and the features [T, F] repeated from their first rows to
+    len(ids) positions. The cache holds the shape of `ids`' prefill, not its contents: for timing."""
+    n, t = len(ids), len(p.prompt)
+    for layer in p.cache.layers:
+        k, v = layer.keys, layer.values
+        for start in range(t, n, t):
+            q = min(t, n - start)
+            layer.update(k[:, :, :q].clone(), v[:, :, :q].clone())
+    hidden = None if p.hidden is None else p.hidden.repeat((n + t - 1) // t, 1)[:n]
+    return Prefill(list(ids), p.cache, p.logits, hidden, p.layers)
 
 
 def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> list[float]:
@@ -1303,7 +1333,7 @@ def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> 
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None,
-                    prefills: Optional[ContextPrefills] = None) -> LatencyModel:
+                    prefills: Optional[ContextPrefills] = None, warm: bool = True) -> LatencyModel:
     """Measure one decoding step's time (draft + verify + bookkeeping) with the real engine and
     heads, for representative trees of every size in `sizes` (default `size_grid`) at every depth
     in `depths` (default 1..num_heads), plus a root-only (plain decoding) step: each tree as the
@@ -1312,7 +1342,8 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     tokens or the given `context_ids`, so drift in machine load hits every size alike; each
     timed step follows an untimed step of the same tree and each generation adds at most
     `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). prefills:
-    the context's prefill shared with other heads' measurements (`ContextPrefills`)."""
+    the context's prefill shared with other heads' measurements (`ContextPrefills`). warm=False:
+    no untimed steps, each tree timed on its first step after another tree's."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:
@@ -1347,7 +1378,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     # second apart), the median ratio of the rounds kept; a step's cost is that ratio times the
     # plain step (the fastest measured). Predicted speedups depend on the ratios alone.
     plain = [Tree.from_paths([])]
-    per_gen = _trees_per_generation(engine, bank, ctx)
+    per_gen = _trees_per_generation(engine, bank, ctx, 2 if warm else 1)
     ratios: dict[int, list[float]] = {}
     base: list[float] = []
     pre = context_prefill(engine, ctx, heads, prefills)
@@ -1361,7 +1392,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     for _ in range(repeats):
         order = list(range(len(bank)))
         for c in range(0, len(order), per_gen):
-            times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick, pre)
+            times = _cycle_times(engine, heads, bank, order[c: c + per_gen], ctx, tick, pre, warm)
             after = plain_step()
             for j, ts in times.items():
                 ratios.setdefault(j, []).extend(ratios_to_plain_around(ts, before, after))
@@ -1372,7 +1403,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     for j, (n, d) in enumerate(jobs):
         if ratios.get(j):
             points[d].append((n, statistics.median(ratios[j]) * baseline))
-    meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats,
+    meta = {"key": latency_key(engine, heads), "protocol": LATENCY_PROTOCOL, "context_tokens": len(ctx), "repeats": repeats, "warm": warm,
             "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return LatencyModel(baseline, points, meta)
 

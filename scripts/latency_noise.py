@@ -15,7 +15,11 @@ on random tokens, where drafts are rarely accepted: if a step cost more when mor
 accepted (more KV rows kept, more rows through a Hydra++ prefix layer), its latency model would
 run low.
 
-    python scripts/latency_noise.py --models 3 [--kinds hydra,hydra++] [--dtype bfloat16]
+With `--warm yes,no` each model is measured both with the tuner's untimed warm step before each
+timed one and without it (every step timed, each tree's first after another tree's): whether the
+warm steps change what the tuner measures and chooses, and what they cost.
+
+    python scripts/latency_noise.py --models 3 [--kinds hydra,hydra++] [--dtype bfloat16] [--warm yes,no]
     python scripts/latency_noise.py --alternate 8
     python scripts/latency_noise.py --by-emitted 4
 """
@@ -37,17 +41,29 @@ from entmtp.trees import Tree  # noqa: E402
 SHOWN = ((4, 2), (6, 2), (8, 3), (16, 3), (32, 2))  # (nodes, depth) of the trees printed
 
 
-def models(engine, kinds: list[str], rounds: int) -> None:
-    print("| round | heads | plain step ms | " + " | ".join(f"{n} nodes d{d}" for n, d in SHOWN) + " |")
-    print("|---:|---|---:|" + "---:|" * len(SHOWN))
+def models(engine, kinds: list[str], rounds: int, warm_ways: list[bool]) -> None:
+    """Each kind's latency model `rounds` times, in each of `warm_ways` (the order alternated
+    between rounds); per model its seconds and the tree the tuner's search chooses from it."""
+    from entmtp.autotune import choose_tree, shipped_stats
+    from entmtp.search import search_trees
+
+    print("| round | heads | untimed warm steps | s | plain step ms | " + " | ".join(f"{n} nodes d{d}" for n, d in SHOWN)
+          + " | tuner's tree (predicted x plain) |")
+    print("|---:|---|---|---:|---:|" + "---:|" * len(SHOWN) + "---|")
     for r in range(rounds):
         for kind in kinds:
-            K = engine.runners[kind].config.num_heads
-            lm = measure_latency(engine, kind, max_nodes=max(CPU_SIZES), sizes=CPU_SIZES, depths=range(1, K + 1),
-                                 repeats=2, context_tokens=SHORT_CONTEXT)
-            b = lm.baseline_s
-            print(f"| {r + 1} | {kind} | {b * 1e3:.2f} | " + " | ".join(f"{lm.cost(n, d) / b:.2f}x" for n, d in SHOWN) + " |",
-                  flush=True)
+            stats = shipped_stats(engine.runners[kind])
+            K = min(engine.runners[kind].config.num_heads, stats.depth)
+            for warm in (warm_ways if r % 2 == 0 else warm_ways[::-1]):
+                t = time.perf_counter()
+                lm = measure_latency(engine, kind, max_nodes=max(CPU_SIZES), sizes=CPU_SIZES, depths=range(1, K + 1),
+                                     repeats=2, context_tokens=SHORT_CONTEXT, warm=warm)
+                took = time.perf_counter() - t
+                best = choose_tree(search_trees(stats, [max(CPU_SIZES)], lm, depths=range(1, K + 1)))
+                b = lm.baseline_s
+                print(f"| {r + 1} | {kind} | {'yes' if warm else 'no'} | {took:.2f} | {b * 1e3:.2f} | "
+                      + " | ".join(f"{lm.cost(n, d) / b:.2f}x" for n, d in SHOWN)
+                      + f" | {best.n_nodes} d{best.depth} ({best.predicted_speedup:.2f}x) |", flush=True)
 
 
 def alternate(engine, rounds: int) -> None:
@@ -96,17 +112,21 @@ def main() -> None:
     ap.add_argument("--alternate", type=int, default=0, help="rounds of plain / root-only / tree generations")
     ap.add_argument("--by-emitted", type=int, default=0, help="bench prompts decoded by each kind with its tuned tree")
     ap.add_argument("--kinds", default="hydra,hydra++")
+    ap.add_argument("--warm", default="yes", help="--models: yes (the tuner's protocol), no (no untimed warm steps), or yes,no")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args()
     if not (args.models or args.alternate or args.by_emitted):
         ap.error("give --models N, --alternate N or --by-emitted N")
+    warm_ways = [w.strip() for w in args.warm.split(",") if w.strip()]
+    if not warm_ways or set(warm_ways) - {"yes", "no"}:
+        ap.error("--warm takes yes and/or no")
     asked = [k for k in args.kinds.split(",") if k]
     kinds = asked + (["hydra"] if args.alternate and "hydra" not in asked else [])
     engine = load_engine("default", {k: k for k in kinds}, dtype=args.dtype, progress=None)
     t = time.time()
     with torch.inference_mode():
         if args.models:
-            models(engine, asked, args.models)
+            models(engine, asked, args.models, [w == "yes" for w in warm_ways])
         if args.alternate:
             alternate(engine, args.alternate)
         if args.by_emitted:

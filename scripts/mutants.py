@@ -160,6 +160,10 @@ MUTANTS = (
     Mutant("latency_prefills_each_generation", "the tuner prefills the measuring context for every generation "
            "(~2 s each after 1,536 tokens)", "entmtp/calibrate.py", "    pre = context_prefill(engine, ctx, heads, prefills)\n",
            "    pre = None\n", ("tests/test_search.py::test_latency_steps_are_warm_and_contexts_bounded",)),
+    Mutant("long_context_prefilled_whole", "the tuner runs a 1,536-token measuring context through the model "
+           "(~2 s a tune) where its first tokens' cache rows, repeated, time the same", "entmtp/calibrate.py",
+           "    p = engine.prefill(ids[:COMPUTED_CONTEXT], heads=heads)\n", "    p = engine.prefill(ids, heads=heads)\n",
+           ("tests/test_search.py::test_a_long_measuring_context_runs_only_its_first_tokens_through_the_model",)),
     Mutant("near_tie_to_the_bigger_tree", "the tune takes a tree predicted 0.1% faster at twice the rows",
            "entmtp/autotune.py", "    near = [c for c in cands if c.predicted_tokens_per_s >= (1 - NEAR_TIE) * top]",
            "    near = [c for c in cands if c.predicted_tokens_per_s >= top]",

@@ -482,6 +482,64 @@ def test_latency_steps_are_warm_and_contexts_bounded(monkeypatch):
     assert all(len(pts) == 4 - d + 1 for d, pts in lm.points.items())
 
 
+def test_latency_without_warm_steps_times_each_tree_once_a_round(monkeypatch):
+    """warm=False (`scripts/latency_noise.py --warm yes,no` compares the two): no untimed steps, every
+    tree timed once a round, more of them in a generation, the same grid covered."""
+    import entmtp.calibrate as cal
+
+    eng = engine3()
+    monkeypatch.setattr(cal, "LATENCY_WINDOW", 16)
+    scheds, real = [], eng.generate
+
+    def spy(ids, **kw):
+        if kw.get("scheduler") is not None:
+            scheds.append(kw["scheduler"])
+        return real(ids, **kw)
+
+    monkeypatch.setattr(eng, "generate", spy)
+    lm = cal.measure_latency(eng, "hydra", sizes=[1, 2, 3, 4], repeats=2, context_tokens=8, warm=False)
+    jobs = cal.latency_jobs([1, 2, 3, 4], [1, 2, 3])
+    used = [j for s in scheds for j in s.used]
+    assert sorted(used) == sorted(list(range(len(jobs))) * 2)  # each point once in each of the 2 rounds
+    assert any(len(set(s.used)) == len(s.used) > 1 for s in scheds)  # no (warm, timed) pairs
+    assert {(n, d) for d, pts in lm.points.items() for n, _ in pts} == set(jobs) and lm.meta["warm"] is False
+    # a warm measurement fits half as many trees in a generation
+    bank = [cal.representative_tree(n, d) for n, d in jobs]
+    assert cal._trees_per_generation(eng, bank, [5] * 8, 1) == 2 * cal._trees_per_generation(eng, bank, [5] * 8, 2)
+
+
+def test_a_long_measuring_context_runs_only_its_first_tokens_through_the_model(monkeypatch):
+    """A measuring context longer than COMPUTED_CONTEXT is prefilled from its first tokens, their
+    cache rows and features repeated to its length: a step then attends over as many positions
+    as after the whole context's prefill, for a fraction of its cost."""
+    import entmtp.calibrate as cal
+    import entmtp.decoding as dec
+
+    eng = engine3()
+    monkeypatch.setattr(cal, "COMPUTED_CONTEXT", 8)
+    run, real_prefill = [], dec.run_prefill
+
+    def counted(*a, **kw):
+        run.append(list(a[1]))
+        return real_prefill(*a, **kw)
+
+    monkeypatch.setattr(dec, "run_prefill", counted)
+    ids = [(7 * i) % (VOCAB - 3) + 2 for i in range(30)]
+    pre = cal.context_prefill(eng, ids, "hydra")
+    assert run == [ids[:8]]  # the model ran 8 tokens, not 30
+    assert pre.prompt == ids and pre.cache.get_seq_length() == 30 and pre.hidden.shape[0] == 30
+    assert torch.equal(pre.hidden[8:16], pre.hidden[:8]) and torch.equal(pre.hidden[24:], pre.hidden[:6])
+    for layer in pre.cache.layers:
+        assert layer.keys.shape[-2] == 30 and torch.equal(layer.keys[:, :, 16:24], layer.keys[:, :, :8])
+        assert torch.equal(layer.values[:, :, 24:], layer.values[:, :, :6])
+    cfg = DecodeConfig(max_new_tokens=6, eos_token_ids=())
+    for _ in range(2):  # generations start from it one after another, each after its 30 positions
+        g = eng.generate(ids, heads="hydra", tree=resolve_tree("binary_2x2"), config=cfg, prefill=pre)
+        steps = list(g)
+        assert steps and g.past == 30 + len(g.tokens) - 1
+    assert cal.context_prefill(eng, ids[:8], "hydra").prompt == ids[:8] and len(run) == 2  # a short one as it is
+
+
 def test_latency_is_measured_against_plain_steps_around_each_generation(monkeypatch):
     """On a machine whose speed drifts between generations (here: every generation 10% slower than
     the one before), a tree's cost is its ratio to the plain steps timed around its generation, so
@@ -496,7 +554,7 @@ def test_latency_is_measured_against_plain_steps_around_each_generation(monkeypa
     def true_ratio(tree):
         return 1.0 + 0.05 * tree.n_nodes + 0.1 * tree.depth
 
-    def drifting(engine, heads, bank, sequence, ids, progress, prefill=None):
+    def drifting(engine, heads, bank, sequence, ids, progress, prefill=None, warm=True):
         speed = 1.0 + 0.1 * len(calls)  # seconds scale of this generation
         calls.append(heads)
         out = {}
