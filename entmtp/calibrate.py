@@ -1341,8 +1341,9 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     times the fastest plain step. All trees run round-robin, on a context of `context_tokens` random
     tokens or the given `context_ids`, so drift in machine load hits every size alike; each
     timed step follows an untimed step of the same tree and each generation adds at most
-    `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). prefills:
-    the context's prefill shared with other heads' measurements (`ContextPrefills`). warm=False:
+    `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). The context
+    past its first `COMPUTED_CONTEXT` tokens is cached as their rows repeated (`context_prefill`).
+    prefills: the context's prefill shared with other heads' measurements (`ContextPrefills`). warm=False:
     no untimed steps, each tree timed on its first step after another tree's."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
