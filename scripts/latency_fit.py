@@ -9,7 +9,7 @@ from all the points of its size and all those of its depth.
 
 Per kind this measures `--models` latency models as the tuner does, in turn, then for each model
 and each way of reading it (per point, additive) chooses a tree from the heads' shipped statistics
-(`autotune.choose_tree`'s rule) and scores that choice on a reference: the per-point median of the
+(`autotune.choose_tree`) and scores that choice on a reference: the per-point median of the
 step ratios of all the *other* models (leave one out, so a model's own noise cannot flatter it).
 Prints per kind and way the mean and spread of the reference speedup of the trees chosen, how far the
 predictions overshot it, and how many distinct trees were chosen.
@@ -20,13 +20,14 @@ predictions overshot it, and how many distinct trees were chosen.
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
 
 import torch  # noqa: E402
 
-from entmtp.autotune import CPU_SIZES, NEAR_TIE, SHORT_CONTEXT, decoding_threads, shipped_stats  # noqa: E402
+from entmtp.autotune import CPU_SIZES, SHORT_CONTEXT, choose_tree, decoding_threads, shipped_stats  # noqa: E402
 from entmtp.calibrate import LatencyModel, measure_latency  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
 from entmtp.search import search_trees  # noqa: E402
@@ -85,13 +86,11 @@ def model_of(points: dict[tuple[int, int], float], additive: bool) -> LatencyMod
     return LatencyModel(1.0, additive_points(by_depth) if additive else by_depth)
 
 
-def choose(cands, lm: LatencyModel):
-    """`autotune.choose_tree`'s rule on `lm`'s costs: the fewest nodes within NEAR_TIE of the best."""
-    score = {id(c): c.predicted_tau / lm.cost(c.n_nodes, c.depth) for c in cands}
-    top = max(score.values())
-    near = [c for c in cands if score[id(c)] >= (1 - NEAR_TIE) * top]
-    best = min(near, key=lambda c: (c.n_nodes, c.depth, -score[id(c)]))
-    return best, score[id(best)]
+def tuner_choice(cands, lm: LatencyModel):
+    """`autotune.choose_tree` over `cands` with each one's step cost and tokens/s read from `lm`."""
+    return choose_tree([replace(c, step_cost_s=lm.cost(c.n_nodes, c.depth),
+                                predicted_tokens_per_s=lm.tokens_per_s(c.predicted_tau, c.n_nodes, c.depth),
+                                predicted_speedup=lm.speedup(c.predicted_tau, c.n_nodes, c.depth)) for c in cands])
 
 
 def main() -> int:
@@ -125,7 +124,8 @@ def main() -> int:
             for i, own in enumerate(measured[k]):
                 others = [m for j, m in enumerate(measured[k]) if j != i]
                 ref = model_of({p: statistics.median(m[p] for m in others) for p in own}, False)
-                best, predicted = choose(cands, model_of(own, additive))
+                best = tuner_choice(cands, model_of(own, additive))
+                predicted = best.predicted_speedup  # the model's baseline is 1: tokens/s over plain decoding
                 real = best.predicted_tau / ref.cost(best.n_nodes, best.depth)
                 true.append(real)
                 over.append(predicted / real)

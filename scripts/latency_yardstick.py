@@ -23,7 +23,8 @@ import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads
 import torch  # noqa: E402
 
 from entmtp.autotune import SHORT_CONTEXT, decoding_threads  # noqa: E402
-from entmtp.calibrate import _cycle_times, _trees_per_generation, context_prefill, representative_tree  # noqa: E402
+from entmtp.calibrate import (_cycle_times, _trees_per_generation, context_prefill, ratios_to_plain_around,  # noqa: E402
+                              representative_tree)
 from entmtp.decoding import DecodeConfig  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
 from entmtp.threads import torch_threads  # noqa: E402
@@ -51,7 +52,7 @@ def grid_round(engine, heads, bank, ctx, pre) -> tuple[dict[int, float], dict[in
         times = _cycle_times(engine, heads, bank, list(range(c, min(len(bank), c + per_gen))), ctx, lambda k=1: None, pre)
         after = plain_step()
         for j, ts in times.items():
-            around.setdefault(j, []).extend(t / ((before + after) / 2) for t in ts)
+            around.setdefault(j, []).extend(ratios_to_plain_around(ts, before, after))
             raw.setdefault(j, []).extend(ts)
         before = after
     whole = statistics.median(plain)
