@@ -31,11 +31,12 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .bank import compare_on, fit_entropy_bank
-from .calibrate import LATENCY_PROTOCOL, CalibrationStats, ContextPrefills, LatencyModel, measure_latency, measure_step_ratios
+from .calibrate import (LATENCY_PROTOCOL, CalibrationStats, ContextPrefills, LatencyModel, latency_jobs, measure_latency,
+                        measure_step_ratios)
 from .lookup import chain_outcomes
 from .paths import write_json_atomic
 from .scheduler import EntropyBucketScheduler
-from .search import search_trees
+from .search import Candidate, price_candidates, search_trees
 from .threads import CoreLoad, busy_note, torch_threads
 from .trees import Tree
 from .tuning import machine_dir, model_key
@@ -215,6 +216,75 @@ def choose_tree(cands):
     return min(near, key=lambda c: (c.n_nodes, c.depth, -c.predicted_tokens_per_s))
 
 
+FIRST_STAGE_NODES = 8  # the latency grid's first stage: every depth up to this size, and depth 1 at every size
+
+
+def priced(cands: Iterable[Candidate], latency: LatencyModel) -> list[Candidate]:
+    """The candidates whose size was timed at their depth (none priced by extrapolation), priced."""
+    return price_candidates([c for c in cands if c.n_nodes <= latency.measured_size(c.depth)], latency)
+
+
+def next_grid_jobs(cands: list[Candidate], latency: LatencyModel, grid: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The grid points (size, depth) to time next: at each depth, the next size past those timed,
+    where some tree that needs it could still come within NEAR_TIE of the best timed tree's
+    predicted tokens/s, priced at its floor (`LatencyModel.floor`: more rows or levels never cost
+    less). Where none could, those trees cannot be chosen and their steps are not timed."""
+    top = max((c.predicted_speedup for c in priced(cands, latency)), default=0.0)
+    need = set()
+    for c in cands:
+        timed = latency.measured_size(c.depth)
+        if c.n_nodes <= timed:
+            continue
+        bound = c.predicted_tau * latency.baseline_s / latency.floor(c.n_nodes, c.depth)
+        if bound >= (1 - NEAR_TIE) * top:
+            later = [n for n, d in grid if d == c.depth and n > timed]
+            if later:
+                need.add((min(later), c.depth))
+    return sorted(need)
+
+
+def lookup_grid_jobs(tree: Tree, latency: LatencyModel, grid: list[tuple[int, int]],
+                     length: int = LOOKUP_LENGTH) -> list[tuple[int, int]]:
+    """The grid points to time next so that `choose_lookup` prices `tree` with a grafted chain of
+    up to `length` tokens (up to `length` more rows, at most `length` levels) from timed steps."""
+    need = []
+    for d in range(tree.depth, max(tree.depth, length) + 1):
+        timed = latency.measured_size(d)
+        later = [n for n, dd in grid if dd == d and n > timed]
+        if timed and timed < tree.n_nodes + length and later:
+            need.append((min(later), d))
+    return need
+
+
+def staged_latency(engine, heads: str, cands: list[Candidate], sizes, depths, repeats: int = 2,
+                   context_tokens: int = SHORT_CONTEXT, prefills: Optional[ContextPrefills] = None) -> LatencyModel:
+    """The step latency of `latency_jobs(sizes, depths)` timed in stages, only where a tree could
+    be chosen: first every tree of up to FIRST_STAGE_NODES nodes and the depth-1 trees of every
+    size (the cost of rows), then the next sizes that `next_grid_jobs` asks for, until none, and
+    the rows the chosen tree's prompt-lookup branch adds (`lookup_grid_jobs`). Where rows are dear
+    (a CPU) the large deep trees, the dearest steps of the grid, are never timed; where they are
+    cheap (a GPU) the stages time the whole grid."""
+    grid = latency_jobs(sizes, depths)
+    first = [(n, d) for n, d in grid if n <= FIRST_STAGE_NODES or d == 1]
+
+    def timed(jobs):
+        return measure_latency(engine, heads, max_nodes=max(sizes), jobs=jobs, repeats=repeats,
+                               context_tokens=context_tokens, prefills=prefills)
+
+    latency = timed(first)
+    while True:
+        need = next_grid_jobs(cands, latency, grid)
+        if not need:
+            pool = priced(cands, latency)
+            need = lookup_grid_jobs(choose_tree(pool).tree, latency, grid) if pool else []
+        if not need:
+            break
+        latency = latency.merged(timed(need))
+    have = {(n, d) for d, pts in latency.points.items() for n, _ in pts}
+    latency.meta["untimed"] = [list(j) for j in grid if j not in have]
+    return latency
+
+
 def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,
                progress: Optional[Callable[[str], object]] = None,
                prefills: Optional[ContextPrefills] = None) -> Optional[TunedTrees]:
@@ -230,18 +300,22 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     sizes = CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES
     if progress:
         progress(f"tuning: step latency of {heads} trees on this machine")
-    latency = measure_latency(engine, heads, max_nodes=max(sizes), sizes=sizes, depths=range(1, K + 1),
-                              repeats=repeats, context_tokens=SHORT_CONTEXT, prefills=prefills)
-    cands = search_trees(stats, [max(sizes)], latency, depths=range(1, K + 1))
+    prefills = prefills if prefills is not None else ContextPrefills()  # the grid's stages share them
+    searched = search_trees(stats, [max(sizes)], None, depths=range(1, K + 1))  # taus: the machine's part is timed next
+    latency = staged_latency(engine, heads, searched, sizes, range(1, K + 1), repeats=repeats, prefills=prefills)
+    cands = priced(searched, latency)
     best = choose_tree(cands)
     tree = Tree(best.tree.paths, f"tuned-{heads}-n{best.n_nodes}-d{best.depth}")
     top = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
     what = ("highest predicted tokens/s" if best is top else
             f"fewest nodes within {NEAR_TIE:.0%} of the highest predicted tokens/s ({top.n_nodes} nodes, "
             f"{top.predicted_speedup:.2f}x)")
-    why = (f"{what} of {len(cands)} trees searched from {stats.n_steps} shipped acceptance "
+    untimed = latency.meta.get("untimed") or []
+    bounded = (f"; {len(searched) - len(cands)} larger trees could not come within {NEAR_TIE:.0%} of it even at the "
+               f"step time of fewer rows, so {len(untimed)} of the grid's sizes were not timed") if untimed else ""
+    why = (f"{what} of {len(searched)} trees searched from {stats.n_steps} shipped acceptance "
            f"records: tau {best.predicted_tau:.2f} at {best.step_cost_s * 1e3:.1f} ms a step "
-           f"(plain step {latency.baseline_s * 1e3:.1f} ms)")
+           f"(plain step {latency.baseline_s * 1e3:.1f} ms){bounded}")
     out = TunedTrees(heads, tree, float(best.predicted_tau), float(best.predicted_speedup), latency, why=why,
                      stats_steps=stats.n_steps, meta={"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     pool = sorted({c.tree.key(): c for c in cands if c.predicted_speedup > 0}.values(),
@@ -258,23 +332,28 @@ def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, rep
     if context >= 4 * SHORT_CONTEXT and tree.n_nodes > 1:
         if progress:
             progress(f"tuning: step latency of {heads} trees after {context} cached tokens")
-        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats, prefills=prefills)
+        out.long, note = tune_long_context(engine, heads, stats, out, context, repeats=repeats, prefills=prefills,
+                                           searched=searched)
         if out.long is None:  # a long-context tree is shown on its own line (`long_context_words`)
             out.why += f"; {note}"
     return out
 
 
 def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedTrees, context: int,
-                      repeats: int = 2, prefills: Optional[ContextPrefills] = None) -> tuple[Optional[LongContextTrees], str]:
+                      repeats: int = 2, prefills: Optional[ContextPrefills] = None,
+                      searched: Optional[list[Candidate]] = None) -> tuple[Optional[LongContextTrees], str]:
     """Time trees no larger nor deeper than the short-context one after `context` cached tokens
     (rows only get dearer as the context grows, so no larger tree can pay there) and choose the
     best by the same scoring; (its `LongContextTrees`, why) where it beats the short-context tree
-    there, else (None, why)."""
+    there, else (None, why). searched: the short-context search's trees, of which those small and
+    shallow enough are scored (default: searched again)."""
     size, depth = short.tree.n_nodes, short.tree.depth
     sizes = [n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size]
     latency = measure_latency(engine, heads, max_nodes=size, sizes=sizes, depths=range(1, depth + 1),
                               repeats=repeats, context_tokens=context, prefills=prefills)
-    cands = search_trees(stats, [size], latency, depths=range(1, depth + 1))
+    if searched is None:
+        searched = search_trees(stats, [size], None, depths=range(1, depth + 1))
+    cands = price_candidates([c for c in searched if c.n_nodes <= size and c.depth <= depth], latency)
     best = max(cands, key=lambda c: (c.predicted_tokens_per_s, -c.n_nodes))
     kept = latency.speedup(short.predicted_tau, size, depth)
     if best.tree.key() == short.tree.key() or best.predicted_speedup <= kept:
@@ -484,7 +563,7 @@ def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
     return None if t is None else t.bank
 
 
-__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "tune_all", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "tune_all", "FIRST_STAGE_NODES", "priced", "next_grid_jobs", "lookup_grid_jobs", "staged_latency", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
            "FAMILY_RACE_ROUNDS", "best_speedup", "compared_speedups"]
 
 

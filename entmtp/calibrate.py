@@ -452,12 +452,17 @@ class CalibrationStats:
         drafts, per prompt (steps, accepted))."""
         if self.mode != "trace":
             raise DataError("only trace statistics can replay decoding")
+        last = self._cache.get("simulated")  # predict_tau and tau_stderr of one tree replay it once
+        if last is not None and last[0] == tree.key():
+            return last[1]
         L = self.accepted_lengths(tree)
         per: dict[str, tuple[int, int]] = {pid: (0, 0) for pid in sorted(self.prompts)}
         for pid, _, l, _ in self.replay_steps(L.__getitem__):
             st, ac = per[pid]
             per[pid] = (st + 1, ac + l)
-        return sum(v[0] for v in per.values()), sum(v[1] for v in per.values()), per
+        out = sum(v[0] for v in per.values()), sum(v[1] for v in per.values()), per
+        self._cache["simulated"] = (tree.key(), out)
+        return out
 
     def predict_tau(self, tree: Tree) -> float:
         """Predicted tau (tokens per verification step) of decoding with `tree`: the exact
@@ -1064,6 +1069,33 @@ class LatencyModel:
         have = {(n, d) for d, pts in self.points.items() for n, _ in pts}
         return set(latency_jobs(sizes, depths)) <= have
 
+    def measured_size(self, depth: int) -> int:
+        """The largest tree size timed at `depth` (0: none): beyond it `cost` extrapolates."""
+        pts = self.points.get(depth)
+        return pts[-1][0] if pts else 0
+
+    def floor(self, n_nodes: int, depth: int) -> float:
+        """A lower bound on the step time of `n_nodes` nodes at `depth` from what was timed: a
+        tree of as many or more rows, at as many or more levels, never costs less (the fit's own
+        rules), so the bound is the highest fitted time at a size <= n_nodes and depth <= `depth`."""
+        out = self.baseline_s
+        for d, (xs, ys) in self._fit.items():
+            if d <= depth:
+                out = max(out, _interpolate(xs, ys, min(n_nodes, xs[-1])))
+        return out
+
+    def merged(self, other: "LatencyModel") -> "LatencyModel":
+        """This model and `other` (more trees timed in later rounds) as one: each point's ratio to
+        its own model's plain step, times the faster of the two plain steps (what
+        `measure_latency` does within one model); `other`'s point wins where both timed one."""
+        base = min(self.baseline_s, other.baseline_s)
+        pts: dict[int, dict[int, float]] = {}
+        for lm in (self, other):
+            for d, ps in lm.points.items():
+                pts.setdefault(d, {}).update({n: t / lm.baseline_s * base for n, t in ps})
+        meta = dict(self.meta, stages=int(self.meta.get("stages", 1)) + int(other.meta.get("stages", 1)))
+        return LatencyModel(base, {d: sorted(p.items()) for d, p in pts.items()}, meta)
+
     def cost(self, n_nodes: int, depth: int) -> float:
         if n_nodes <= 0 or not self._fit:
             return self.baseline_s
@@ -1333,7 +1365,8 @@ def ratios_to_plain_around(ts: Sequence[float], before: float, after: float) -> 
 def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: Optional[Sequence[int]] = None,
                     sizes: Optional[Sequence[int]] = None, context_ids: Optional[list[int]] = None,
                     context_tokens: int = 128, repeats: int = 5, progress: Optional[Progress] = None,
-                    prefills: Optional[ContextPrefills] = None, warm: bool = True) -> LatencyModel:
+                    prefills: Optional[ContextPrefills] = None, warm: bool = True,
+                    jobs: Optional[Sequence[tuple[int, int]]] = None) -> LatencyModel:
     """Measure one decoding step's time (draft + verify + bookkeeping) with the real engine and
     heads, for representative trees of every size in `sizes` (default `size_grid`) at every depth
     in `depths` (default 1..num_heads), plus a root-only (plain decoding) step: each tree as the
@@ -1344,7 +1377,8 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
     `LATENCY_WINDOW` tokens before a new prefill (`_cycle_times`: as decoding pays). The context
     past its first `COMPUTED_CONTEXT` tokens is cached as their rows repeated (`context_prefill`).
     prefills: the context's prefill shared with other heads' measurements (`ContextPrefills`). warm=False:
-    no untimed steps, each tree timed on its first step after another tree's."""
+    no untimed steps, each tree timed on its first step after another tree's. jobs: the (size,
+    depth) points to time instead of `latency_jobs(sizes, depths)` (a staged grid, `autotune`)."""
     if heads not in engine.runners:
         raise ValueError(f"no heads named {heads!r} loaded")
     if not 1 <= max_nodes <= MAX_UNION_NODES:
@@ -1353,6 +1387,11 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         raise ValueError("repeats must be in 1..50")
     K = engine.runners[heads].config.num_heads
     depths = sorted(set(depths or range(1, K + 1)))
+    if jobs is not None:
+        jobs = sorted(set((int(n), int(d)) for n, d in jobs), key=lambda x: (x[1], x[0]))
+        if not jobs or any(not 1 <= d <= min(K, n) or n > MAX_UNION_NODES for n, d in jobs):
+            raise ValueError(f"latency jobs must be (size, depth) with 1 <= depth <= min(size, {K})")
+        depths = sorted({d for _, d in jobs})
     if any(not 1 <= d <= K for d in depths):
         raise ValueError(f"latency depths must be in 1..{K}")
     sizes = sorted(set(sizes or size_grid(max_nodes)))
@@ -1362,7 +1401,7 @@ def measure_latency(engine: Engine, heads: str, *, max_nodes: int = 64, depths: 
         context_ids = torch.randint(2, max(3, vocab), (max(1, context_tokens),), generator=g).tolist()
     ctx = list(context_ids)[-max(1, min(len(context_ids), engine.max_context // 4)):]
     progress = progress or _noop
-    jobs = latency_jobs(sizes, depths)
+    jobs = jobs if jobs is not None else latency_jobs(sizes, depths)
     bank = [representative_tree(n, d) for n, d in jobs]
     total = (len(jobs) + 3) * repeats
     done = [0]

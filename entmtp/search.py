@@ -281,6 +281,13 @@ def score_tree(stats: CalibrationStats, tree: Tree, latency: Optional[LatencyMod
     return c
 
 
+def price_candidates(cands: Sequence[Candidate], latency: LatencyModel) -> list[Candidate]:
+    """`cands` with step cost, tokens/s and speedup read from `latency` (their taus as they are)."""
+    return [dataclasses.replace(c, step_cost_s=latency.cost(c.n_nodes, c.depth),
+                    predicted_tokens_per_s=latency.tokens_per_s(c.predicted_tau, c.n_nodes, c.depth),
+                    predicted_speedup=latency.speedup(c.predicted_tau, c.n_nodes, c.depth)) for c in cands]
+
+
 def search_trees(stats: CalibrationStats, budgets: Sequence[int], latency: Optional[LatencyModel] = None, *,
                  depths: Optional[Sequence[int]] = None, methods: Sequence[str] = ("greedy", "dp"),
                  references: Sequence[Tree] = (), progress: Optional[Progress] = None) -> list[Candidate]:
@@ -1505,6 +1512,6 @@ def score_lines(res: dict, tree_name: str) -> list[str]:
 
 
 __all__ = ["greedy_trees", "optimal_subtrees", "positional_value_fn", "positional_values", "dp_support", "tree_id",
-           "Candidate", "score_tree", "search_trees", "frontier", "pareto", "Measured", "evaluate_trees", "SearchConfig",
+           "Candidate", "score_tree", "price_candidates", "search_trees", "frontier", "pareto", "Measured", "evaluate_trees", "SearchConfig",
            "SearchReport", "run_search", "score", "score_lines", "load_stats_any", "explain_gap", "load_data",
            "ProgressBars", "accelerate_state", "end_distributed", "summary_table"]

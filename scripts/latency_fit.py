@@ -20,7 +20,6 @@ predictions overshot it, and how many distinct trees were chosen.
 import argparse
 import statistics
 import time
-from dataclasses import replace
 from typing import Optional, Sequence
 
 import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads, as the CLI does
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 from entmtp.autotune import CPU_SIZES, SHORT_CONTEXT, choose_tree, decoding_threads, shipped_stats  # noqa: E402
 from entmtp.calibrate import LatencyModel, measure_latency  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
-from entmtp.search import search_trees  # noqa: E402
+from entmtp.search import price_candidates, search_trees  # noqa: E402
 from entmtp.threads import torch_threads  # noqa: E402
 
 
@@ -88,9 +87,7 @@ def model_of(points: dict[tuple[int, int], float], additive: bool) -> LatencyMod
 
 def tuner_choice(cands, lm: LatencyModel):
     """`autotune.choose_tree` over `cands` with each one's step cost and tokens/s read from `lm`."""
-    return choose_tree([replace(c, step_cost_s=lm.cost(c.n_nodes, c.depth),
-                                predicted_tokens_per_s=lm.tokens_per_s(c.predicted_tau, c.n_nodes, c.depth),
-                                predicted_speedup=lm.speedup(c.predicted_tau, c.n_nodes, c.depth)) for c in cands])
+    return choose_tree(price_candidates(cands, lm))
 
 
 def main() -> int:

@@ -164,6 +164,10 @@ MUTANTS = (
            "(~2 s a tune) where its first tokens' cache rows, repeated, time the same", "entmtp/calibrate.py",
            "    p = engine.prefill(ids[:COMPUTED_CONTEXT], heads=heads)\n", "    p = engine.prefill(ids, heads=heads)\n",
            ("tests/test_search.py::test_a_long_measuring_context_runs_only_its_first_tokens_through_the_model",)),
+    Mutant("latency_grid_first_stage_only", "the tuner never times trees past its first stage, so a larger "
+           "tree that would win where rows are cheap (a GPU) is never priced", "entmtp/autotune.py",
+           "        if bound >= (1 - NEAR_TIE) * top:\n", "        if False:\n",
+           ("tests/test_tuning.py::test_the_latency_grid_is_timed_only_where_a_tree_could_be_chosen",)),
     Mutant("near_tie_to_the_bigger_tree", "the tune takes a tree predicted 0.1% faster at twice the rows",
            "entmtp/autotune.py", "    near = [c for c in cands if c.predicted_tokens_per_s >= (1 - NEAR_TIE) * top]",
            "    near = [c for c in cands if c.predicted_tokens_per_s >= top]",

@@ -11,7 +11,7 @@ import torch
 
 from conftest import random_heads, tiny_model
 from entmtp import autotune, hardware, kernels, tuning
-from entmtp.calibrate import collect_stats
+from entmtp.calibrate import collect_stats, latency_jobs
 from entmtp.decoding import DecodeConfig, Engine
 from entmtp.tuning import KernelTrial, choose
 
@@ -161,11 +161,12 @@ def test_trees_are_chosen_from_statistics_and_measured_latency(tuning_on):
     tuned = autotune.tune_trees(eng, "hydra", stats=stats, repeats=1)
     assert tuned.tree.n_nodes >= 1 and tuned.tree.depth <= 3
     assert tuned.latency.baseline_s > 0 and tuned.predicted_speedup > 0
-    # the choice is the best of the lab's own scoring over the same statistics and latency
+    # the choice is the best of the lab's own scoring over the same statistics and latency, among
+    # the trees whose steps were timed (`staged_latency`)
     from entmtp.search import search_trees
 
-    best = max(c.predicted_tokens_per_s for c in search_trees(stats, [max(autotune.CPU_SIZES)], tuned.latency,
-                                                              depths=range(1, 4)))
+    best = max(c.predicted_tokens_per_s for c in autotune.priced(
+        search_trees(stats, [max(autotune.CPU_SIZES)], None, depths=range(1, 4)), tuned.latency))
     assert tuned.predicted_tau / tuned.latency.cost(tuned.tree.n_nodes, tuned.tree.depth) == pytest.approx(best)
     back = autotune.TunedTrees.from_json(json.loads(json.dumps(tuned.to_json())))
     assert back.tree.paths == tuned.tree.paths and (back.bank is None) == (tuned.bank is None)
@@ -361,16 +362,18 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 30 % 20], [7, 7, 7, 2, 3, 4]], max_new_tokens=40, max_rank=8)
     timed = []
 
-    def fake_latency(engine, heads, *, max_nodes, sizes, depths, repeats, context_tokens, **kw):
-        timed.append((context_tokens, max(sizes), max(depths)))
+    def fake_latency(engine, heads, *, max_nodes, repeats, context_tokens, sizes=None, depths=None, jobs=None, **kw):
+        jobs = jobs or latency_jobs(sizes, depths)
+        timed.append((context_tokens, max(n for n, _ in jobs), max(d for _, d in jobs)))
         per_row = 1e-5 if context_tokens <= autotune.SHORT_CONTEXT else 8e-3  # rows nearly free, then dear
-        return LatencyModel(0.01, {d: [(n, 0.01 + 1e-4 * d + per_row * n) for n in sizes] for d in depths})
+        return LatencyModel(0.01, by_depth({(n, d): 0.01 + 1e-4 * d + per_row * n for n, d in jobs}))
 
     monkeypatch.setattr(autotune, "measure_latency", fake_latency)
     tuned = autotune.tune_trees(eng, "hydra", stats=stats, repeats=1)
     long = tuned.long
     assert long is not None, tuned.why
-    assert timed[1] == (long.context, tuned.tree.n_nodes, tuned.tree.depth)  # no larger or deeper than the first
+    # no larger or deeper than the first
+    assert [t for t in timed if t[0] != autotune.SHORT_CONTEXT] == [(long.context, tuned.tree.n_nodes, tuned.tree.depth)]
     assert long.context == min(autotune.LONG_CONTEXT, eng.max_context // 4)
     assert long.tree.n_nodes < tuned.tree.n_nodes and long.predicted_speedup > long.short_tree_speedup
     assert long.from_tokens == autotune.switch_point(
@@ -402,6 +405,75 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     monkeypatch.setattr(autotune, "measure_latency", lambda *a, **k: fake_latency(*a, **{**k, "context_tokens": 96}))
     again, why = autotune.tune_long_context(eng, "hydra", stats, tuned, 1024, repeats=1)
     assert again is None and "the same tree still pays best" in why
+
+
+def by_depth(costs):
+    """{(size, depth): seconds} as `LatencyModel.points`."""
+    out = {}
+    for (n, d), t in sorted(costs.items()):
+        out.setdefault(d, []).append((n, t))
+    return out
+
+
+def test_latency_model_floor_and_merge():
+    """`floor` bounds a step from below by what fewer rows at fewer levels cost; `merged` puts two
+    models' points on the faster plain step by their ratios."""
+    from entmtp.calibrate import LatencyModel
+
+    lm = LatencyModel(0.010, {1: [(1, 0.011), (4, 0.013), (16, 0.030)], 2: [(2, 0.012), (8, 0.020)]})
+    assert lm.measured_size(1) == 16 and lm.measured_size(2) == 8 and lm.measured_size(3) == 0
+    assert lm.floor(12, 2) == pytest.approx(lm.cost(12, 1))  # depth 1's rows bound depth 2 beyond its timed sizes
+    assert lm.floor(12, 2) > lm.cost(8, 2) and lm.floor(24, 3) == pytest.approx(0.030)  # no extrapolation
+    assert lm.floor(4, 1) == pytest.approx(0.013) and lm.floor(1, 1) >= lm.baseline_s
+    more = LatencyModel(0.012, {2: [(12, 0.036)]})  # a slower second: ratio 3.0
+    both = lm.merged(more)
+    assert both.baseline_s == 0.010 and both.cost(12, 2) == pytest.approx(0.030)
+    assert both.cost(4, 1) == pytest.approx(0.013) and both.measured_size(2) == 12 and both.meta["stages"] == 2
+
+
+def test_the_latency_grid_is_timed_only_where_a_tree_could_be_chosen(monkeypatch):
+    """`staged_latency` times the small trees and the depth-1 trees of every size first, then only
+    the sizes some tree could still win with, at the step time of fewer rows: where rows are dear
+    the large deep trees are never timed, where they are nearly free the whole grid is, and either
+    way the tree chosen is the one the whole grid would choose. The chosen tree's prompt-lookup
+    rows are timed too."""
+    from entmtp.calibrate import LatencyModel, latency_jobs
+    from entmtp.search import price_candidates, search_trees
+
+    model = tiny_model("llama", vocab=20, seed=3)
+    eng = Engine(model, None, {"hydra": random_heads(model, "hydra", num_heads=3)}, kernels="stock")
+    stats = collect_stats(eng, "hydra", [[5, 9, 11, 5, 9, 10], [7, 7, 7, 2, 3, 4]], max_new_tokens=40, max_rank=8)
+    searched = search_trees(stats, [max(autotune.CPU_SIZES)], None, depths=range(1, 4))
+    grid = latency_jobs(autotune.CPU_SIZES, range(1, 4))
+    for per_row, per_level in ((4e-3, 1e-3), (1e-6, 1e-6), (3e-4, 2e-4)):  # a CPU, a GPU, between
+        def cost(n, d):
+            return 0.01 + per_level * d + per_row * n
+
+        asked = []
+
+        def fake(engine, heads, *, max_nodes, jobs, repeats, context_tokens, prefills=None):
+            asked.append(sorted(jobs))
+            return LatencyModel(0.01, by_depth({(n, d): cost(n, d) for n, d in jobs}))
+
+        monkeypatch.setattr(autotune, "measure_latency", fake)
+        lm = autotune.staged_latency(eng, "hydra", searched, autotune.CPU_SIZES, range(1, 4), repeats=1)
+        assert asked[0] == sorted(j for j in grid if j[0] <= autotune.FIRST_STAGE_NODES or j[1] == 1)
+        assert sum(len(a) for a in asked) == len({j for a in asked for j in a})  # nothing timed twice
+        whole = LatencyModel(0.01, by_depth({j: cost(*j) for j in grid}))
+        chosen = autotune.choose_tree(autotune.priced(searched, lm))
+        assert chosen.tree.key() == autotune.choose_tree(price_candidates(searched, whole)).tree.key(), per_row
+        for d in range(chosen.depth, max(chosen.depth, autotune.LOOKUP_LENGTH) + 1):
+            if d <= 3:  # the lookup branch's rows priced from timed steps
+                assert lm.measured_size(d) >= min(chosen.n_nodes + autotune.LOOKUP_LENGTH, max(n for n, dd in grid if dd == d))
+        untimed = lm.meta["untimed"]
+        if per_row == 4e-3:
+            assert untimed and len(asked) == 1 and all(n > autotune.FIRST_STAGE_NODES and d > 1 for n, d in untimed)
+        if per_row == 1e-6:  # rows nearly free: on past the first stage
+            assert len(asked) > 1
+        # every tree left unpriced is, at its true step time, short of the chosen one by more than a near tie
+        top = max(c.predicted_speedup for c in price_candidates(searched, whole))
+        unpriced = [c for c in price_candidates(searched, whole) if c.n_nodes > lm.measured_size(c.depth)]
+        assert all(c.predicted_speedup < (1 - autotune.NEAR_TIE) * top for c in unpriced)
 
 
 def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
