@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from .bank import compare_on, fit_entropy_bank
@@ -391,21 +392,23 @@ def lookup_speedup(stats: CalibrationStats, tree: Tree, latency: LatencyModel, l
     tokens grafted after matches of >= `min_ngram` tokens (length 0: no branch), replaying the
     statistics' greedy continuations: a step accepts the longer of the heads' path and the copied
     chain, and verifies the tree's rows plus the chain's rows beyond the heads' accepted ones."""
-    L = stats.accepted_lengths(tree)
+    L = stats.accepted_lengths(tree)  # [R]
     look: dict[tuple[str, int], tuple[int, int]] = {}
     if length:
         for pid, info in stats.prompts.items():
             for o, pa in enumerate(chain_outcomes(info["prompt_ids"], info["answer_ids"], int(info["n_positions"]),
                                                   length, min_ngram)):
                 look[(pid, o)] = pa
-    recs = stats.records
-    tokens = seconds = 0.0
-    for _, k, accepted, emitted in stats.replay_steps(
-            lambda k: max(int(L[k]), look.get((recs[k].prompt_id, recs[k].position), (0, 0))[1])):
-        proposed, chain_ok = look.get((recs[k].prompt_id, recs[k].position), (0, 0))
-        extra = proposed - min(chain_ok, int(L[k])) if proposed else 0  # shared with the accepted heads path
-        tokens += emitted
-        seconds += latency.cost(tree.n_nodes + extra, max(tree.depth, proposed))
+    # [R, 2]: the chain's proposed tokens and how many of them the base accepts, per record
+    chain = np.array([look.get((r.prompt_id, r.position), (0, 0)) for r in stats.records], dtype=np.int64).reshape(-1, 2)
+    proposed, chain_ok = chain[:, 0], chain[:, 1]
+    _, starts, _, emitted = stats.replay(np.maximum(L, chain_ok))
+    p = proposed[starts]
+    extra = np.where(p > 0, p - np.minimum(chain_ok[starts], L[starts]), 0)  # rows shared with the accepted heads path
+    rows_levels, counts = np.unique(np.stack([tree.n_nodes + extra, np.maximum(tree.depth, p)], 1), axis=0,
+                                    return_counts=True)
+    seconds = sum(int(c) * latency.cost(int(n), int(d)) for (n, d), c in zip(rows_levels, counts))
+    tokens = float(emitted.sum())
     return tokens / seconds * latency.baseline_s if seconds else 0.0
 
 

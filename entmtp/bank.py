@@ -40,20 +40,15 @@ def _bucket(values: np.ndarray, edges: list[float]) -> np.ndarray:
 
 
 def replay_assignment(stats, acc: np.ndarray, cost: np.ndarray, cell: np.ndarray, assign: np.ndarray) -> tuple[float, float, int]:
-    """Trace statistics: replay decoding (`CalibrationStats.replay_steps`) where each step uses
+    """Trace statistics: replay decoding (`CalibrationStats.replay`) where each step uses
     the tree of its start record's cell.
 
     acc [T, R] accepted drafts of each candidate at each record; cost [T] seconds per step;
     cell [R] bucket of each record; assign [C] candidate index per bucket. Returns (tokens, seconds, steps).
     """
     tree_at = assign[cell]  # [R] candidate used by a step starting at each record
-    tokens = seconds = 0.0
-    steps = 0
-    for _, r, _, k in stats.replay_steps(lambda r: acc[tree_at[r], r]):
-        tokens += k
-        seconds += cost[tree_at[r]]
-        steps += 1
-    return tokens, seconds, steps
+    _, starts, _, emitted = stats.replay(acc[tree_at, np.arange(acc.shape[1])])
+    return float(emitted.sum()), float(cost[tree_at[starts]].sum()), len(starts)
 
 
 def fit_entropy_bank(stats, candidates: Sequence[Tree], latency, n_buckets: int = 4, draft_buckets: int = 0,

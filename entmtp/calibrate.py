@@ -414,12 +414,14 @@ class CalibrationStats:
             raise DataError("no calibration steps were recorded (every prompt ended at once?)")
         return 1.0 + float(self.accepted_lengths(tree).mean())
 
-    def replay_steps(self, accepted_at: Callable[[int], int]) -> Iterator[tuple[str, int, int, int]]:
+    def replay(self, accepted: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Trace mode: replay decoding on every prompt exactly as the engine does (same stops:
-        max_new_tokens, EOS). accepted_at(record index) -> accepted drafts of a step starting at
-        that record. Yields (prompt id, record index, accepted drafts, tokens emitted) per step."""
+        max_new_tokens, EOS), where a step starting at record r accepts `accepted[r]` drafts
+        ([R] ints). Returns per step, in order: (prompt's index in sorted(prompts), start record,
+        accepted drafts, tokens emitted), each [steps]."""
         if self.mode != "trace":
             raise DataError("only trace statistics can replay decoding")
+        acc = np.asarray(accepted, dtype=np.int64).tolist()  # Python ints: the walk below is the hot loop
         max_new = int(self.meta.get("max_new_tokens") or 0)
         start = self._cache.get("starts")
         if start is None:
@@ -427,7 +429,8 @@ class CalibrationStats:
             for k, r in enumerate(self.records):
                 start.setdefault(r.prompt_id, k)
             self._cache["starts"] = start
-        for pid in sorted(self.prompts):
+        out_p, out_r, out_l, out_k = [], [], [], []
+        for i, pid in enumerate(sorted(self.prompts)):
             info = self.prompts[pid]
             n, eos = int(info["n_positions"]), info.get("eos_at")
             s0 = start.get(pid, 0)
@@ -436,31 +439,46 @@ class CalibrationStats:
                 remaining = max_new - emitted
                 if remaining <= 1 or (eos is not None and o == eos) or o >= n:
                     break
-                l = int(accepted_at(s0 + o))
+                l = acc[s0 + o]
                 k = min(l + 1, remaining)
-                if eos is not None and o <= eos < o + k:
-                    yield pid, s0 + o, l, eos - o + 1
-                    break
-                yield pid, s0 + o, l, k
+                ends = eos is not None and o <= eos < o + k
+                if ends:
+                    k = eos - o + 1
+                out_p.append(i)
+                out_r.append(s0 + o)
+                out_l.append(l)
+                out_k.append(k)
                 emitted += k
-                if emitted >= max_new:
+                if ends or emitted >= max_new:
                     break
                 o += l + 1
+        as_array = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
+        return as_array(out_p), as_array(out_r), as_array(out_l), as_array(out_k)
+
+    def replay_steps(self, accepted_at: Callable[[int], int]) -> Iterator[tuple[str, int, int, int]]:
+        """`replay` with the accepted drafts of a step starting at record r given as
+        accepted_at(r). Yields (prompt id, record index, accepted drafts, tokens emitted) per step."""
+        if self.mode != "trace":
+            raise DataError("only trace statistics can replay decoding")
+        names = sorted(self.prompts)
+        p, r, l, k = self.replay([int(accepted_at(j)) for j in range(len(self.records))])
+        for i, j, a, e in zip(p.tolist(), r.tolist(), l.tolist(), k.tolist()):
+            yield names[i], j, a, e
 
     def simulate(self, tree: Tree) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """Trace mode: replay decoding with `tree` (`replay_steps`). Returns (steps, accepted
+        """Trace mode: replay decoding with `tree` (`replay`). Returns (steps, accepted
         drafts, per prompt (steps, accepted))."""
         if self.mode != "trace":
             raise DataError("only trace statistics can replay decoding")
         last = self._cache.get("simulated")  # predict_tau and tau_stderr of one tree replay it once
         if last is not None and last[0] == tree.key():
             return last[1]
-        L = self.accepted_lengths(tree)
-        per: dict[str, tuple[int, int]] = {pid: (0, 0) for pid in sorted(self.prompts)}
-        for pid, _, l, _ in self.replay_steps(L.__getitem__):
-            st, ac = per[pid]
-            per[pid] = (st + 1, ac + l)
-        out = sum(v[0] for v in per.values()), sum(v[1] for v in per.values()), per
+        names = sorted(self.prompts)
+        p, _, l, _ = self.replay(self.accepted_lengths(tree))
+        steps = np.bincount(p, minlength=len(names)).tolist()
+        acc = np.bincount(p, weights=l, minlength=len(names)).astype(np.int64).tolist()
+        per = {pid: (steps[i], acc[i]) for i, pid in enumerate(names)}
+        out = int(sum(steps)), int(sum(acc)), per
         self._cache["simulated"] = (tree.key(), out)
         return out
 
