@@ -9,6 +9,9 @@ than tau does: on a CPU whose 8-row step costs 1.6 one-row steps a 4-node tree w
 where 64 rows cost one, a 60-node tree. A table of trees recorded per machine class is right only
 on the machines it was recorded on; this measures.
 
+The grid of tree sizes and depths is timed in stages, only where a tree could still be chosen
+(`staged_latency`): where rows are dear the large deep trees are never timed.
+
 Step latency grows with the context (a tree's extra rows attend to every cached token), so trees
 are timed after `SHORT_CONTEXT` cached tokens and again after `LONG_CONTEXT`; a smaller tree that
 pays there is switched to from the context where it starts to (`tune_long_context`).
