@@ -168,6 +168,11 @@ MUTANTS = (
            "tree that would win where rows are cheap (a GPU) is never priced", "entmtp/autotune.py",
            "        if bound >= (1 - NEAR_TIE) * top:\n", "        if False:\n",
            ("tests/test_tuning.py::test_the_latency_grid_is_timed_only_where_a_tree_could_be_chosen",)),
+    Mutant("lookup_rows_untimed", "the tuner prices the prompt-lookup branch's extra rows by extrapolating "
+           "past the timed sizes", "entmtp/autotune.py",
+           "            need = lookup_grid_jobs(choose_tree(pool).tree, latency, grid) if pool else []\n",
+           "            need = []\n",
+           ("tests/test_tuning.py::test_the_rows_a_chosen_trees_lookup_branch_adds_are_timed",)),
     Mutant("near_tie_to_the_bigger_tree", "the tune takes a tree predicted 0.1% faster at twice the rows",
            "entmtp/autotune.py", "    near = [c for c in cands if c.predicted_tokens_per_s >= (1 - NEAR_TIE) * top]",
            "    near = [c for c in cands if c.predicted_tokens_per_s >= top]",

@@ -476,6 +476,36 @@ def test_the_latency_grid_is_timed_only_where_a_tree_could_be_chosen(monkeypatch
         assert all(c.predicted_speedup < (1 - autotune.NEAR_TIE) * top for c in unpriced)
 
 
+def test_the_rows_a_chosen_trees_lookup_branch_adds_are_timed(monkeypatch):
+    """A prompt-lookup branch grafts up to LOOKUP_LENGTH rows and levels onto the chosen tree, and
+    `choose_lookup` prices them: where the first stage did not time that many rows at those depths,
+    a last stage does (a 6-node depth-2 tree: 10 rows at depths 2-4)."""
+    from entmtp.calibrate import LatencyModel, latency_jobs, representative_tree
+    from entmtp.search import Candidate
+
+    grid = latency_jobs(autotune.CPU_SIZES, range(1, 5))
+    first = LatencyModel(0.01, by_depth({(n, d): 0.01 + 1e-3 * n for n, d in grid
+                                         if n <= autotune.FIRST_STAGE_NODES or d == 1}))
+    assert autotune.lookup_grid_jobs(representative_tree(6, 2), first, grid) == [(12, 2), (12, 3), (12, 4)]
+    assert autotune.lookup_grid_jobs(representative_tree(3, 1), first, grid) == []  # 7 rows: timed
+    assert autotune.lookup_grid_jobs(representative_tree(8, 1), first, grid) == [(12, 2), (12, 3), (12, 4)]
+
+    def cand(n, d, tau):
+        return Candidate(representative_tree(n, d), ["given"], [d], tau, 0.0)
+
+    cands = [cand(2, 1, 1.3), cand(6, 2, 2.2), cand(24, 3, 2.3)]  # the 6-node tree wins; 24 nodes cannot
+    asked = []
+
+    def fake(engine, heads, *, max_nodes, jobs, repeats, context_tokens, prefills=None):
+        asked.append(sorted(jobs))
+        return LatencyModel(0.01, by_depth({(n, d): 0.01 + 1e-3 * n for n, d in jobs}))
+
+    monkeypatch.setattr(autotune, "measure_latency", fake)
+    lm = autotune.staged_latency(None, "hydra", cands, autotune.CPU_SIZES, range(1, 5), repeats=1)
+    assert autotune.choose_tree(autotune.priced(cands, lm)).n_nodes == 6
+    assert asked[1:] == [[(12, 2), (12, 3), (12, 4)]] and [24, 3] in lm.meta["untimed"]
+
+
 def test_machine_chart_draws_heads_steps_relative_to_a_plain_step():
     """The Machine tab's chart: kernel sets in ms as probed; each heads' whole step as its ratio to a
     plain step (what the latency model measures robustly) times the chosen set's one-row forward, so
