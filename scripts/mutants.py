@@ -89,8 +89,8 @@ MUTANTS = (
            ("tests/test_bench.py::test_an_interrupted_bench_keeps_the_reports_of_the_prompts_it_finished",)),
     Mutant("lookup_rows_free", "the prompt-lookup choice ignores the rows a grafted branch adds (a branch then "
            "always looks free and is chosen where rows are dear)",
-           "entmtp/autotune.py", "seconds += latency.cost(tree.n_nodes + extra, max(tree.depth, proposed))",
-           "seconds += latency.cost(tree.n_nodes, tree.depth)",
+           "entmtp/autotune.py", "np.stack([tree.n_nodes + extra, np.maximum(tree.depth, p)], 1)",
+           "np.stack([tree.n_nodes + 0 * extra, tree.depth + 0 * p], 1)",
            ("tests/test_search.py::test_trace_replay_with_a_lookup_branch_equals_on_policy_decoding",)),
     Mutant("lookup_tuning_unused", "entmtp decodes with the registry's prompt-lookup branch whatever was tuned here",
            "entmtp/methods.py", "    if tuned is not None and tuned.lookup_min_ngram is not None:",
