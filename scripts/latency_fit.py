@@ -12,7 +12,10 @@ and each way of reading it (per point, additive) chooses a tree from the heads' 
 (`autotune.choose_tree`) and scores that choice on a reference: the per-point median of the
 step ratios of all the *other* models (leave one out, so a model's own noise cannot flatter it).
 Prints per kind and way the mean and spread of the reference speedup of the trees chosen, how far the
-predictions overshot it, and how many distinct trees were chosen.
+predictions overshot it, and how many distinct trees were chosen. A third way, staged, reads each model
+as the tuner does since the grid is timed in stages (`autotune.staged_latency`): only the points its
+stages would have timed, the trees priced from those; it prints how often that chose the per-point
+way's tree and what share of the grid it timed.
 
     python scripts/latency_fit.py [--models 6] [--kinds hydra,hydra++,medusa] [--dtype bfloat16]
 """
@@ -26,8 +29,9 @@ import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads
 
 import torch  # noqa: E402
 
-from entmtp.autotune import CPU_SIZES, SHORT_CONTEXT, choose_tree, decoding_threads, shipped_stats  # noqa: E402
-from entmtp.calibrate import LatencyModel, measure_latency  # noqa: E402
+from entmtp.autotune import (CPU_SIZES, FIRST_STAGE_NODES, SHORT_CONTEXT, choose_tree, decoding_threads,  # noqa: E402
+                             lookup_grid_jobs, next_grid_jobs, priced, shipped_stats)
+from entmtp.calibrate import LatencyModel, latency_jobs, measure_latency  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
 from entmtp.search import price_candidates, search_trees  # noqa: E402
 from entmtp.threads import torch_threads  # noqa: E402
@@ -90,6 +94,19 @@ def tuner_choice(cands, lm: LatencyModel):
     return choose_tree(price_candidates(cands, lm))
 
 
+def staged_model(own: dict[tuple[int, int], float], cands, depth: int) -> LatencyModel:
+    """The model `autotune.staged_latency` would build had its stages timed what `own` holds: the
+    first stage's points, then those `next_grid_jobs` and `lookup_grid_jobs` ask for, until none."""
+    grid = latency_jobs(CPU_SIZES, range(1, depth + 1))
+    have = {p: r for p, r in own.items() if p[0] <= FIRST_STAGE_NODES or p[1] == 1}
+    while True:
+        lm = model_of(have, False)
+        need = next_grid_jobs(cands, lm, grid) or lookup_grid_jobs(choose_tree(priced(cands, lm)).tree, lm, grid)
+        if not need:
+            return lm
+        have.update({p: own[p] for p in need})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=int, default=6)
@@ -110,26 +127,37 @@ def main() -> int:
                                      repeats=2, context_tokens=SHORT_CONTEXT)
                 measured[k].append(ratios(lm))
     print(f"{a.models} latency models per kind in {time.time() - t0:.0f} s\n")
-    print("| heads | way | reference speedup of the tree chosen, mean (min-max) | predicted over reference | trees chosen |")
-    print("|---|---|---:|---:|---|")
+    print("| heads | way | reference speedup of the tree chosen, mean (min-max) | predicted over reference | trees chosen "
+          "| same tree as per point |")
+    print("|---|---|---:|---:|---|---:|")
     for k in kinds:
         stats = shipped_stats(engine.runners[k])
         K = min(engine.runners[k].config.num_heads, stats.depth)
         cands = search_trees(stats, [max(CPU_SIZES)], model_of(measured[k][0], False), depths=range(1, K + 1))
-        for additive in (False, True):
+        timed: list[float] = []
+        for way in ("per point", "additive", "staged"):
             true, over, chosen = [], [], []
             for i, own in enumerate(measured[k]):
                 others = [m for j, m in enumerate(measured[k]) if j != i]
                 ref = model_of({p: statistics.median(m[p] for m in others) for p in own}, False)
-                best = tuner_choice(cands, model_of(own, additive))
+                if way == "staged":
+                    staged = staged_model(own, cands, K)
+                    best = choose_tree(priced(cands, staged))
+                    timed.append(sum(len(v) for v in staged.points.values()) / len(own))
+                else:
+                    best = tuner_choice(cands, model_of(own, way == "additive"))
                 predicted = best.predicted_speedup  # the model's baseline is 1: tokens/s over plain decoding
                 real = best.predicted_tau / ref.cost(best.n_nodes, best.depth)
                 true.append(real)
                 over.append(predicted / real)
                 chosen.append(f"{best.n_nodes} d{best.depth}")
-            print(f"| {k} | {'additive' if additive else 'per point'} | {statistics.mean(true):.3f}x "
+            if way == "per point":
+                per_point = chosen
+            same = sum(a == b for a, b in zip(chosen, per_point))
+            print(f"| {k} | {way} | {statistics.mean(true):.3f}x "
                   f"({min(true):.2f}-{max(true):.2f}) | {statistics.mean(over):.3f} | "
-                  f"{len(set(chosen))}: {', '.join(chosen)} |", flush=True)
+                  f"{len(set(chosen))}: {', '.join(chosen)} | {same} of {len(chosen)} |", flush=True)
+        print(f"| {k} | staged: share of the grid's points timed | {statistics.mean(timed):.0%} | | | |")
     return 0
 
 
