@@ -352,7 +352,8 @@ def tune_long_context(engine, heads: str, stats: CalibrationStats, short: TunedT
     there, else (None, why). searched: the short-context search's trees, of which those small and
     shallow enough are scored (default: searched again)."""
     size, depth = short.tree.n_nodes, short.tree.depth
-    sizes = [n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size]
+    # the short tree's own size too: a 5-node tree is not priced from the 3- and 4-node steps' slope
+    sizes = sorted({n for n in (CUDA_SIZES if engine.device.type == "cuda" else CPU_SIZES) if n <= size} | {size})
     latency = measure_latency(engine, heads, max_nodes=size, sizes=sizes, depths=range(1, depth + 1),
                               repeats=repeats, context_tokens=context, prefills=prefills)
     if searched is None:

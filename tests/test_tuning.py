@@ -406,6 +406,16 @@ def test_a_smaller_tree_is_tuned_for_long_contexts(tuning_on, monkeypatch):
     again, why = autotune.tune_long_context(eng, "hydra", stats, tuned, 1024, repeats=1)
     assert again is None and "the same tree still pays best" in why
 
+    # a short tree of a size between the grid's (5 nodes) is timed at its own size there
+    from dataclasses import replace
+
+    from entmtp.calibrate import representative_tree
+
+    timed.clear()
+    five = replace(tuned, tree=representative_tree(5, 2))
+    autotune.tune_long_context(eng, "hydra", stats, five, 1024, repeats=1)
+    assert timed == [(96, 5, 2)]
+
 
 def by_depth(costs):
     """{(size, depth): seconds} as `LatencyModel.points`."""
