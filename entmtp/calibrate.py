@@ -51,7 +51,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -454,16 +454,6 @@ class CalibrationStats:
                 o += l + 1
         as_array = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
         return as_array(out_p), as_array(out_r), as_array(out_l), as_array(out_k)
-
-    def replay_steps(self, accepted_at: Callable[[int], int]) -> Iterator[tuple[str, int, int, int]]:
-        """`replay` with the accepted drafts of a step starting at record r given as
-        accepted_at(r). Yields (prompt id, record index, accepted drafts, tokens emitted) per step."""
-        if self.mode != "trace":
-            raise DataError("only trace statistics can replay decoding")
-        names = sorted(self.prompts)
-        p, r, l, k = self.replay([int(accepted_at(j)) for j in range(len(self.records))])
-        for i, j, a, e in zip(p.tolist(), r.tolist(), l.tolist(), k.tolist()):
-            yield names[i], j, a, e
 
     def simulate(self, tree: Tree) -> tuple[int, int, dict[str, tuple[int, int]]]:
         """Trace mode: replay decoding with `tree` (`replay`). Returns (steps, accepted
