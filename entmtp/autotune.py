@@ -228,6 +228,11 @@ def priced(cands: Iterable[Candidate], latency: LatencyModel) -> list[Candidate]
     return price_candidates([c for c in cands if c.n_nodes <= latency.measured_size(c.depth)], latency)
 
 
+def _next_size(grid: list[tuple[int, int]], depth: int, timed: int) -> Optional[int]:
+    """The smallest size of `grid` at `depth` past `timed`, or None."""
+    return min((n for n, d in grid if d == depth and n > timed), default=None)
+
+
 def next_grid_jobs(cands: list[Candidate], latency: LatencyModel, grid: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The grid points (size, depth) to time next: at each depth, the next size past those timed,
     where some tree that needs it could still come within NEAR_TIE of the best timed tree's
@@ -240,10 +245,9 @@ def next_grid_jobs(cands: list[Candidate], latency: LatencyModel, grid: list[tup
         if c.n_nodes <= timed:
             continue
         bound = c.predicted_tau * latency.baseline_s / latency.floor(c.n_nodes, c.depth)
-        if bound >= (1 - NEAR_TIE) * top:
-            later = [n for n, d in grid if d == c.depth and n > timed]
-            if later:
-                need.add((min(later), c.depth))
+        nxt = _next_size(grid, c.depth, timed)
+        if bound >= (1 - NEAR_TIE) * top and nxt is not None:
+            need.add((nxt, c.depth))
     return sorted(need)
 
 
@@ -254,28 +258,20 @@ def lookup_grid_jobs(tree: Tree, latency: LatencyModel, grid: list[tuple[int, in
     need = []
     for d in range(tree.depth, max(tree.depth, length) + 1):
         timed = latency.measured_size(d)
-        later = [n for n, dd in grid if dd == d and n > timed]
-        if timed and timed < tree.n_nodes + length and later:
-            need.append((min(later), d))
+        nxt = _next_size(grid, d, timed)
+        if timed and timed < tree.n_nodes + length and nxt is not None:
+            need.append((nxt, d))
     return need
 
 
-def staged_latency(engine, heads: str, cands: list[Candidate], sizes, depths, repeats: int = 2,
-                   context_tokens: int = SHORT_CONTEXT, prefills: Optional[ContextPrefills] = None) -> LatencyModel:
-    """The step latency of `latency_jobs(sizes, depths)` timed in stages, only where a tree could
-    be chosen: first every tree of up to FIRST_STAGE_NODES nodes and the depth-1 trees of every
-    size (the cost of rows), then the next sizes that `next_grid_jobs` asks for, until none, and
-    the rows the chosen tree's prompt-lookup branch adds (`lookup_grid_jobs`). Where rows are dear
-    (a CPU) the large deep trees, the dearest steps of the grid, are never timed; where they are
-    cheap (a GPU) the stages time the whole grid."""
-    grid = latency_jobs(sizes, depths)
-    first = [(n, d) for n, d in grid if n <= FIRST_STAGE_NODES or d == 1]
-
-    def timed(jobs):
-        return measure_latency(engine, heads, max_nodes=max(sizes), jobs=jobs, repeats=repeats,
-                               context_tokens=context_tokens, prefills=prefills)
-
-    latency = timed(first)
+def staged_grid(cands: list[Candidate], grid: list[tuple[int, int]],
+                time_jobs: Callable[[list[tuple[int, int]]], LatencyModel]) -> LatencyModel:
+    """The latency model of `grid` timed in stages by `time_jobs` (points -> their model), only
+    where a tree of `cands` could be chosen: first every tree of up to FIRST_STAGE_NODES nodes and
+    the depth-1 trees of every size (the cost of rows), then the next sizes that `next_grid_jobs`
+    asks for, until none, and the rows the chosen tree's prompt-lookup branch adds
+    (`lookup_grid_jobs`). meta["untimed"]: the grid's points never timed."""
+    latency = time_jobs([(n, d) for n, d in grid if n <= FIRST_STAGE_NODES or d == 1])
     while True:
         need = next_grid_jobs(cands, latency, grid)
         if not need:
@@ -283,10 +279,19 @@ def staged_latency(engine, heads: str, cands: list[Candidate], sizes, depths, re
             need = lookup_grid_jobs(choose_tree(pool).tree, latency, grid) if pool else []
         if not need:
             break
-        latency = latency.merged(timed(need))
+        latency = latency.merged(time_jobs(need))
     have = {(n, d) for d, pts in latency.points.items() for n, _ in pts}
     latency.meta["untimed"] = [list(j) for j in grid if j not in have]
     return latency
+
+
+def staged_latency(engine, heads: str, cands: list[Candidate], sizes, depths, repeats: int = 2,
+                   context_tokens: int = SHORT_CONTEXT, prefills: Optional[ContextPrefills] = None) -> LatencyModel:
+    """The step latency of `latency_jobs(sizes, depths)` measured in stages (`staged_grid`): where
+    rows are dear (a CPU) the large deep trees, the dearest steps of the grid, are never timed;
+    where they are cheap (a GPU) the stages time the whole grid."""
+    return staged_grid(cands, latency_jobs(sizes, depths), lambda jobs: measure_latency(
+        engine, heads, max_nodes=max(sizes), jobs=jobs, repeats=repeats, context_tokens=context_tokens, prefills=prefills))
 
 
 def tune_trees(engine, heads: str, stats: Optional[CalibrationStats] = None, repeats: int = 2,
@@ -570,7 +575,7 @@ def tuned_bank(engine, heads: str) -> Optional[EntropyBucketScheduler]:
     return None if t is None else t.bank
 
 
-__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "tune_all", "FIRST_STAGE_NODES", "priced", "next_grid_jobs", "lookup_grid_jobs", "staged_latency", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
+__all__ = ["ACCEPTANCE_FILE", "STEP_SOURCES", "engine_code_id", "LOOKUP_LENGTH", "SHORT_CONTEXT", "NEAR_TIE", "choose_tree", "LONG_CONTEXT", "LongContextTrees", "TunedTrees", "tune_long_context", "tune_all", "FIRST_STAGE_NODES", "priced", "next_grid_jobs", "lookup_grid_jobs", "staged_grid", "staged_latency", "switch_point", "shipped_stats", "tune_trees", "choose_bank", "choose_lookup", "lookup_speedup", "tuned_trees", "trees_path", "tuned_bank",
            "FAMILY_RACE_ROUNDS", "best_speedup", "compared_speedups"]
 
 

@@ -274,11 +274,7 @@ def score_tree(stats: CalibrationStats, tree: Tree, latency: Optional[LatencyMod
     c = Candidate(tree, list(methods), list(depth_limits), tau, stats.tau_stderr(tree),
                   unsupported_nodes=stats.columns(tree)[1], edge_nodes=_edge_nodes(tree, stats),
                   position_tau=stats.expected_tau(tree) if stats.mode == "trace" else None)
-    if latency is not None:
-        c.step_cost_s = latency.cost(tree.n_nodes, tree.depth)
-        c.predicted_tokens_per_s = latency.tokens_per_s(tau, tree.n_nodes, tree.depth)
-        c.predicted_speedup = latency.speedup(tau, tree.n_nodes, tree.depth)
-    return c
+    return price_candidates([c], latency)[0] if latency is not None else c
 
 
 def price_candidates(cands: Sequence[Candidate], latency: LatencyModel) -> list[Candidate]:

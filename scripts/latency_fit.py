@@ -29,8 +29,8 @@ import entmtp  # noqa: F401  first: sets OpenMP's wait policy before torch loads
 
 import torch  # noqa: E402
 
-from entmtp.autotune import (CPU_SIZES, FIRST_STAGE_NODES, SHORT_CONTEXT, choose_tree, decoding_threads,  # noqa: E402
-                             lookup_grid_jobs, next_grid_jobs, priced, shipped_stats)
+from entmtp.autotune import (CPU_SIZES, SHORT_CONTEXT, choose_tree, decoding_threads, priced,  # noqa: E402
+                             shipped_stats, staged_grid)
 from entmtp.calibrate import LatencyModel, latency_jobs, measure_latency  # noqa: E402
 from entmtp.methods import ModelOptions, load_engine_for  # noqa: E402
 from entmtp.search import price_candidates, search_trees  # noqa: E402
@@ -95,16 +95,9 @@ def tuner_choice(cands, lm: LatencyModel):
 
 
 def staged_model(own: dict[tuple[int, int], float], cands, depth: int) -> LatencyModel:
-    """The model `autotune.staged_latency` would build had its stages timed what `own` holds: the
-    first stage's points, then those `next_grid_jobs` and `lookup_grid_jobs` ask for, until none."""
-    grid = latency_jobs(CPU_SIZES, range(1, depth + 1))
-    have = {p: r for p, r in own.items() if p[0] <= FIRST_STAGE_NODES or p[1] == 1}
-    while True:
-        lm = model_of(have, False)
-        need = next_grid_jobs(cands, lm, grid) or lookup_grid_jobs(choose_tree(priced(cands, lm)).tree, lm, grid)
-        if not need:
-            return lm
-        have.update({p: own[p] for p in need})
+    """The model `autotune.staged_latency` would build had its stages timed what `own` holds."""
+    return staged_grid(cands, latency_jobs(CPU_SIZES, range(1, depth + 1)),
+                       lambda jobs: model_of({p: own[p] for p in jobs}, False))
 
 
 def main() -> int:

@@ -166,7 +166,7 @@ MUTANTS = (
            ("tests/test_search.py::test_a_long_measuring_context_runs_only_its_first_tokens_through_the_model",)),
     Mutant("latency_grid_first_stage_only", "the tuner never times trees past its first stage, so a larger "
            "tree that would win where rows are cheap (a GPU) is never priced", "entmtp/autotune.py",
-           "        if bound >= (1 - NEAR_TIE) * top:\n", "        if False:\n",
+           "        if bound >= (1 - NEAR_TIE) * top and nxt is not None:\n", "        if False:\n",
            ("tests/test_tuning.py::test_the_latency_grid_is_timed_only_where_a_tree_could_be_chosen",)),
     Mutant("lookup_rows_untimed", "the tuner prices the prompt-lookup branch's extra rows by extrapolating "
            "past the timed sizes", "entmtp/autotune.py",
